@@ -1,0 +1,135 @@
+"""Benchmark instances built from real third-party data in ../shared/data (read there, never copied).
+
+- LoCoMo (Maharana et al., ACL 2024; CC BY-NC 4.0): a question from the single-hop extractive
+  subset, the memory fragment(s) holding its evidence turn, and distractor fragments from the same
+  conversation: 8-12 fragments of 40-250 tokens in a seeded random order.
+- MemoryBank (Zhong et al., AAAI 2024; MIT): a user's chat with an AI companion. ``exchanges``
+  makes one memory of each user message and reply; ``facts`` keeps the user's messages alone, as
+  short fact-like memories. Its probing questions have no gold answers, so these instances measure
+  fidelity to full recompute only (a check that what helps on LoCoMo does not hurt other styles).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = ["Instance", "build_instances", "locomo_dir", "memorybank_instances"]
+
+MIN_FRAGMENT_TOKENS = 40
+MAX_FRAGMENT_TOKENS = 250
+
+
+def data_dir() -> Path:
+    """``$KVSHIFT_DATA`` or ``../shared/data`` next to this checkout."""
+    env = os.environ.get("KVSHIFT_DATA")
+    return Path(env) if env else Path(__file__).resolve().parents[2] / "shared" / "data"
+
+
+def locomo_dir() -> Path:
+    return data_dir() / "locomo"
+
+
+@dataclass(frozen=True)
+class Instance:
+    sample_id: str
+    question: str
+    answer: str
+    memories: tuple[str, ...]
+    evidence_index: tuple[int, ...]  # which memories hold the evidence
+
+
+def _chunks(conversation: dict, count_tokens, rng: random.Random) -> list[tuple[str, set[str]]]:
+    """Split every session into fragments of consecutive turns; returns (text, dia_ids)."""
+    chunks = []
+    session = 1
+    while f"session_{session}" in conversation:
+        date = conversation.get(f"session_{session}_date_time", "")
+        lines, ids, size = [], set(), 0
+        target = rng.randint(60, 200)
+        for turn in conversation[f"session_{session}"]:
+            line = f"{turn['speaker']}: {turn['text']}"
+            line_tokens = count_tokens(line)
+            if lines and size + line_tokens > MAX_FRAGMENT_TOKENS:
+                chunks.append((f"({date})\n" + "\n".join(lines), ids))
+                lines, ids, size, target = [], set(), 0, rng.randint(60, 200)
+            lines.append(line)
+            ids.add(turn["dia_id"])
+            size += line_tokens
+            if size >= target:
+                chunks.append((f"({date})\n" + "\n".join(lines), ids))
+                lines, ids, size, target = [], set(), 0, rng.randint(60, 200)
+        if lines:
+            chunks.append((f"({date})\n" + "\n".join(lines), ids))
+        session += 1
+    return [(text, ids) for text, ids in chunks if MIN_FRAGMENT_TOKENS <= count_tokens(text) <= MAX_FRAGMENT_TOKENS]
+
+
+def build_instances(count: int, count_tokens, seed: int = 0) -> list[Instance]:
+    """``count`` instances, drawn with ``seed`` from the extractive single-hop subset.
+
+    :param count_tokens: the tokenizer's length function (fragment sizes are in model tokens).
+    """
+    root = locomo_dir()
+    conversations = {c["sample_id"]: c["conversation"] for c in json.loads((root / "locomo10.json").read_text())}
+    questions = json.loads((root / "derived" / "locomo_cat4_extractive_short.json").read_text())
+    rng = random.Random(seed)
+    rng.shuffle(questions)
+    chunk_cache: dict[str, list[tuple[str, set[str]]]] = {}
+    instances = []
+    for qa in questions:
+        if len(instances) == count:
+            break
+        sample = qa["sample_id"]
+        if sample not in chunk_cache:
+            chunk_cache[sample] = _chunks(conversations[sample], count_tokens, random.Random(f"{seed}:{sample}"))
+        chunks = chunk_cache[sample]
+        evidence = [i for i, (_, ids) in enumerate(chunks) if ids & set(qa["evidence"])]
+        if not evidence or len(evidence) > 2:
+            continue
+        others = [i for i in range(len(chunks)) if i not in evidence]
+        total = rng.randint(8, 12)
+        picked = evidence + rng.sample(others, total - len(evidence))
+        rng.shuffle(picked)
+        instances.append(
+            Instance(
+                sample_id=sample,
+                question=qa["question"],
+                answer=str(qa["answer"]),
+                memories=tuple(chunks[i][0] for i in picked),
+                evidence_index=tuple(picked.index(i) for i in evidence),
+            )
+        )
+    return instances
+
+
+def memorybank_instances(count: int, count_tokens, kind: str = "exchanges", seed: int = 0) -> list[Instance]:
+    """``count`` instances from MemoryBank: a probing question and 8-12 (exchanges) or 12-20 (facts)
+    memories of the same user, in a seeded random order. ``answer`` is empty (no gold answers)."""
+    root = data_dir() / "memorybank_en"
+    users = json.loads((root / "memory_bank_en.json").read_text())
+    questions = {}
+    for line in (root / "probing_questions_en.jsonl").read_text().splitlines():
+        if line.strip():
+            questions.update(json.loads(line))
+    rng = random.Random(seed)
+    pool = [(name, q) for name in sorted(questions) if name in users for q in questions[name]]
+    rng.shuffle(pool)
+    instances = []
+    for name, question in pool[:count]:
+        memories = []
+        for date, turns in sorted(users[name]["history"].items()):
+            for turn in turns:
+                if kind == "exchanges":
+                    text = f"({date})\n{name}: {turn['query']}\nAI: {turn['response']}"
+                else:
+                    text = turn["query"]
+                if count_tokens(text) >= 8:
+                    memories.append(text)
+        size = rng.randint(8, 12) if kind == "exchanges" else rng.randint(12, 20)
+        picked = rng.sample(memories, min(size, len(memories)))
+        instances.append(Instance(name, question.strip('"'), "", tuple(picked), ()))
+    return instances

@@ -1,0 +1,6 @@
+"""Model loading, prefill and generation with reuse, the blend, and their statistics."""
+
+from .engine import EngineSettings, GenerationStream, KVShiftEngine
+from .results import GenerationResult, ReuseStats, ScoreResult
+
+__all__ = ["EngineSettings", "GenerationResult", "GenerationStream", "KVShiftEngine", "ReuseStats", "ScoreResult"]

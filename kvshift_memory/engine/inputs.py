@@ -1,0 +1,140 @@
+"""Checking what callers pass in, so bad input fails with a clear error before any tensor work."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from ..exceptions import InvalidInputError
+
+__all__ = [
+    "REUSE_MODES",
+    "MAX_TEXT_CHARS",
+    "check_continuation",
+    "check_memories",
+    "check_messages",
+    "check_positive_int",
+    "check_ratio",
+    "check_reuse",
+    "check_sampling",
+    "check_stop",
+    "check_text",
+]
+
+REUSE_MODES = ("none", "prefix", "blend")
+ROLES = ("system", "user", "assistant")
+
+#: No single text is tokenised past this many characters: longer text cannot fit any context
+#: window we support (~4 characters a token), and tokenising it would only waste time.
+MAX_TEXT_CHARS = 1_000_000
+
+
+def check_text(text: Any, what: str, allow_empty: bool = False) -> str:
+    if not isinstance(text, str):
+        raise InvalidInputError(f"{what} must be a str, got {type(text).__name__}")
+    if not allow_empty and not text.strip():
+        raise InvalidInputError(f"{what} is empty")
+    if len(text) > MAX_TEXT_CHARS:
+        raise InvalidInputError(f"{what} has {len(text)} characters; at most {MAX_TEXT_CHARS} are accepted")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidInputError(f"{what} is not valid Unicode text (lone surrogate at {exc.start})") from None
+    return text
+
+
+def check_messages(messages: Any) -> list[dict[str, str]]:
+    """Accept a string (one user message) or a non-empty list of ``{"role", "content"}`` dicts.
+
+    :raises InvalidInputError: empty list, unknown role, a system message after the first, or a
+        content that is not a non-empty string.
+    """
+    if isinstance(messages, str):
+        messages = [{"role": "user", "content": messages}]
+    if not isinstance(messages, Sequence) or isinstance(messages, (bytes, bytearray)):
+        raise InvalidInputError(f"messages must be a list of {{'role', 'content'}} dicts, got {type(messages).__name__}")
+    if not messages:
+        raise InvalidInputError("messages is empty: give at least one message")
+    checked = []
+    for index, message in enumerate(messages):
+        if not isinstance(message, dict) or "role" not in message or "content" not in message:
+            raise InvalidInputError(f"messages[{index}] must be a dict with 'role' and 'content'")
+        role = message["role"]
+        if role not in ROLES:
+            raise InvalidInputError(f"messages[{index}] has role {role!r}; expected one of {ROLES}")
+        if role == "system" and index != 0:
+            raise InvalidInputError(f"messages[{index}]: a system message may only come first")
+        content = check_text(message["content"], f"messages[{index}]['content']", allow_empty=role != "user")
+        checked.append({"role": role, "content": content})
+    return checked
+
+
+def check_memories(memories: Any) -> list[str]:
+    """Accept ``None``, or a list of strings or of objects with a ``text`` string (memory records).
+
+    :returns: the texts, stripped of surrounding whitespace.
+    :raises InvalidInputError: not a list, or an item that is not text, or empty text.
+    """
+    if memories is None:
+        return []
+    if isinstance(memories, (str, bytes)) or not isinstance(memories, Sequence):
+        raise InvalidInputError(f"memories must be a list of texts or memory records, got {type(memories).__name__}")
+    texts = []
+    for index, memory in enumerate(memories):
+        text = memory if isinstance(memory, str) else getattr(memory, "text", memory)
+        texts.append(check_text(text, f"memories[{index}]").strip())
+    return texts
+
+
+def check_reuse(reuse: Any) -> str | None:
+    """``None`` (let the engine choose) or one of :data:`REUSE_MODES`."""
+    if reuse is not None and reuse not in REUSE_MODES:
+        raise InvalidInputError(f"reuse must be one of {REUSE_MODES} or None, got {reuse!r}")
+    return reuse
+
+
+def check_positive_int(value: Any, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise InvalidInputError(f"{name} must be a positive int, got {value!r}")
+    return value
+
+
+def check_ratio(value: Any, name: str = "recompute_ratio") -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0:
+        raise InvalidInputError(f"{name} must be a number in [0, 1], got {value!r}")
+    return float(value)
+
+
+def check_sampling(temperature: Any, top_p: Any, top_k: Any, seed: Any) -> None:
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not 0.0 <= temperature <= 100.0:
+        raise InvalidInputError(f"temperature must be a number in [0, 100], got {temperature!r}")
+    if isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0.0 < top_p <= 1.0:
+        raise InvalidInputError(f"top_p must be a number in (0, 1], got {top_p!r}")
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
+        raise InvalidInputError(f"top_k must be an int >= 0 (0: no limit), got {top_k!r}")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        raise InvalidInputError(f"seed must be an int or None, got {seed!r}")
+
+
+def check_stop(stop: Any) -> list[str]:
+    """``None``, one string, or a list of non-empty strings."""
+    if stop is None:
+        return []
+    if isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, Sequence) or not all(isinstance(s, str) and s for s in stop):
+        raise InvalidInputError(f"stop must be a non-empty string or a list of them, got {stop!r}")
+    return list(stop)
+
+
+def check_continuation(continuation: Any) -> str | list[int]:
+    """A non-empty string, or a non-empty list of token ids."""
+    if isinstance(continuation, str):
+        return check_text(continuation, "continuation")
+    if (
+        isinstance(continuation, Sequence)
+        and continuation
+        and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in continuation)
+    ):
+        return list(continuation)
+    raise InvalidInputError("continuation must be a non-empty str or a non-empty list of token ids")

@@ -1,0 +1,38 @@
+"""Every error the library raises on purpose derives from :class:`KVShiftError`.
+
+Callers who only want to know "did kvshift refuse this?" catch the base class; the
+subclasses say which part refused, so a caller can fix its input or its set-up.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "KVShiftError",
+    "InvalidInputError",
+    "ContextOverflowError",
+    "ModelNotFoundError",
+    "ModelLoadError",
+]
+
+
+class KVShiftError(Exception):
+    """Base class of every error raised by kvshift-memory."""
+
+
+class InvalidInputError(KVShiftError, ValueError):
+    """An argument has the wrong type, is empty, or takes a value we do not accept.
+
+    Also a :class:`ValueError`, so code written against the usual Python contract keeps working.
+    """
+
+
+class ContextOverflowError(InvalidInputError):
+    """The prompt (with the tokens asked for) does not fit in the model's context window."""
+
+
+class ModelNotFoundError(KVShiftError):
+    """The model files are not where they were looked for; the message names how to install them."""
+
+
+class ModelLoadError(KVShiftError):
+    """The model files were found but could not be loaded or converted."""

@@ -1,0 +1,63 @@
+"""Re-encoding the positions of cached keys (rotary position embeddings).
+
+A key cached after RoPE at position ``p0`` is ``R(p0) k``; the same key at ``p1`` is
+``R(p1) k = R(p1 - p0) R(p0) k``. Shifting a fragment therefore rotates its cached keys by the
+offset alone, without the pre-rotation key. Values carry no position and are never touched.
+
+Only the "rotate-half" layout is handled (the first ``rotary_dim`` channels form two halves that are
+rotated against each other), which is the layout every supported family uses in transformers.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["RotaryLayer", "shift_keys"]
+
+
+class RotaryLayer:
+    """The rotary frequencies of one attention layer.
+
+    :param inv_freq: the layer's inverse frequencies, one per rotated channel pair
+        (``rotary_dim / 2`` of them; fewer than ``head_dim / 2`` for partial rotary models).
+    """
+
+    __slots__ = ("inv_freq", "rotary_dim")
+
+    def __init__(self, inv_freq: torch.Tensor) -> None:
+        # float64: the shift angle is delta * inv_freq; rounding it in fp32 would add an error
+        # that grows with delta, on top of the error the model itself made at encode time.
+        self.inv_freq = inv_freq.detach().to(torch.float64).cpu()
+        self.rotary_dim = 2 * self.inv_freq.numel()
+
+    def cos_sin(self, delta: int, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Cosine and sine of the rotation by ``delta`` positions, laid out as transformers does."""
+        angles = delta * self.inv_freq
+        angles = torch.cat((angles, angles))
+        return angles.cos().to(dtype=dtype, device=device), angles.sin().to(dtype=dtype, device=device)
+
+
+def shift_keys(keys: torch.Tensor, layer: RotaryLayer, delta: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Rotate post-RoPE ``keys`` (``[..., seq, head_dim]``) by ``delta`` positions.
+
+    :param out: where to write the result (same shape as ``keys``); a new tensor when omitted.
+        Writing straight into a cache buffer saves one copy of the whole fragment.
+    :returns: the shifted keys (``out`` when given).
+    """
+    if out is None:
+        out = torch.empty_like(keys)
+    if delta == 0:
+        out.copy_(keys)
+        return out
+    rot = layer.rotary_dim
+    cos, sin = layer.cos_sin(delta, keys.dtype, keys.device)
+    half = rot // 2
+    k1, k2 = keys[..., :half], keys[..., half:rot]
+    c1, c2 = cos[:half], cos[half:]
+    s1, s2 = sin[:half], sin[half:]
+    # rotate_half(k) = cat(-k2, k1): out = k * cos + rotate_half(k) * sin, written half by half.
+    torch.addcmul(k1 * c1, k2, -s1, out=out[..., :half])
+    torch.addcmul(k2 * c2, k1, s2, out=out[..., half:rot])
+    if rot < keys.shape[-1]:
+        out[..., rot:].copy_(keys[..., rot:])
+    return out

@@ -1,0 +1,68 @@
+"""Shared fixtures: tiny random-weight models of each family, and the real bundled model."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import pytest
+import torch
+import transformers
+
+torch.set_num_threads(min(2, torch.get_num_threads()))
+
+VOCAB = 49152  # the bundled tokenizer's, so tiny models can be driven with real text
+
+_COMMON = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=8192,
+)
+
+#: One tiny config per family the engine shifts; each is proven exact in test_families.py.
+TINY_CONFIGS = {
+    "llama": lambda: transformers.LlamaConfig(**_COMMON),
+    "mistral": lambda: transformers.MistralConfig(**_COMMON, sliding_window=None),
+    "qwen2": lambda: transformers.Qwen2Config(**_COMMON),
+    "qwen3": lambda: transformers.Qwen3Config(**_COMMON, head_dim=16),
+    "gemma": lambda: transformers.GemmaConfig(**_COMMON, head_dim=16),
+    "gemma2": lambda: transformers.Gemma2Config(**_COMMON, head_dim=16, sliding_window=8192),
+    "gemma3_text": lambda: transformers.Gemma3TextConfig(
+        **{**_COMMON, "num_hidden_layers": 3},
+        head_dim=16,
+        sliding_window=8192,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+    ),
+    "phi3": lambda: transformers.Phi3Config(**_COMMON, pad_token_id=0),
+    "gpt_neox": lambda: transformers.GPTNeoXConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        max_position_embeddings=8192,
+    ),
+}
+
+
+def tiny_model(config: transformers.PretrainedConfig, seed: int = 0) -> torch.nn.Module:
+    """A random-weight causal LM from ``config`` in fp32, eval mode (no download)."""
+    torch.manual_seed(seed)
+    config._attn_implementation = "eager"
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
+def bundled_engine():
+    """The real default model (SmolLM2-135M-Instruct), fp32."""
+    from kvshift_memory import KVShiftEngine
+
+    return KVShiftEngine.from_pretrained()
+
+
+@pytest.fixture(scope="session")
+def tokenizer(bundled_engine):
+    return bundled_engine.tokenizer
