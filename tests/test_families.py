@@ -61,31 +61,34 @@ def test_kvshift_attention_matches_transformers(family_model):
     assert (got - expected).abs().max() <= 1e-4, name
 
 
+def shift_errors(model, scheme, delta: int) -> tuple[float, float]:
+    """Encode random tokens at 0 and at ``delta``; shift the first cache by ``delta``.
+
+    :returns: (max relative key error over layers, max next-token logit error).
+    """
+    generator = torch.Generator().manual_seed(delta)
+    ids = torch.randint(3, VOCAB, (PREFIX + FRAGMENT,), generator=generator)
+    query = torch.randint(3, VOCAB, (QUERY,), generator=generator)
+    at_origin, at_target = _encode(model, ids, 0), _encode(model, ids, delta)
+    n, worst = ids.numel(), 0.0
+    with torch.inference_mode():
+        for layer in range(model.config.num_hidden_layers):
+            keys = at_origin.buffer(layer)[0][..., :n, :]
+            expected = at_target.buffer(layer)[0][..., :n, :]
+            keys.copy_(shift_keys(keys, scheme.layers[layer], delta))
+            worst = max(worst, float((keys - expected).abs().max() / expected.abs().max()))
+    logits = _next_logits(model, at_origin, query, n, delta) - _next_logits(model, at_target, query, n, delta)
+    return worst, float(logits.abs().max())
+
+
 @pytest.mark.parametrize("delta", DELTAS)
 def test_shifted_keys_and_logits_match_encoding_at_the_target(family_model, delta):
     name, model, _ = family_model
     scheme = position_scheme(model)
     assert scheme.shiftable, scheme.reason
-    generator = torch.Generator().manual_seed(delta)
-    ids = torch.randint(3, VOCAB, (PREFIX + FRAGMENT,), generator=generator)
-    query = torch.randint(3, VOCAB, (QUERY,), generator=generator)
-
-    at_origin = _encode(model, ids, 0)
-    at_target = _encode(model, ids, delta)
-    worst = 0.0
-    with torch.inference_mode():
-        for layer in range(model.config.num_hidden_layers):
-            keys, _ = at_origin.buffer(layer)
-            expected, _ = at_target.buffer(layer)
-            n = ids.numel()
-            shifted = shift_keys(keys[..., :n, :], scheme.layers[layer], delta)
-            worst = max(worst, float((shifted - expected[..., :n, :]).abs().max() / expected[..., :n, :].abs().max()))
-            keys[..., :n, :].copy_(shifted)
-    assert worst <= 1e-4, f"{name}: relative key error {worst:.2e} at delta {delta}"
-
-    shifted_logits = _next_logits(model, at_origin, query, ids.numel(), delta)
-    target_logits = _next_logits(model, at_target, query, ids.numel(), delta)
-    assert (shifted_logits - target_logits).abs().max() <= 1e-3, name
+    key_error, logit_error = shift_errors(model, scheme, delta)
+    assert key_error <= 1e-4, f"{name}: relative key error {key_error:.2e} at delta {delta}"
+    assert logit_error <= 1e-3, f"{name}: logit error {logit_error:.2e} at delta {delta}"
 
 
 def test_zero_shift_is_a_copy():
@@ -150,3 +153,11 @@ def test_sliding_window_blocks_shift_only_past_the_window():
     assert scheme.shiftable and scheme.min_sliding_window == 64
     assert scheme.blocks_shift(64) is None
     assert "sliding attention window" in scheme.blocks_shift(65)
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("delta", DELTAS)
+def test_shift_is_exact_on_the_bundled_model(bundled_engine, delta):
+    key_error, logit_error = shift_errors(bundled_engine.model, bundled_engine.position_scheme, delta)
+    assert key_error <= 1e-4
+    assert logit_error <= 1e-3

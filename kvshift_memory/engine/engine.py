@@ -44,6 +44,8 @@ class EngineSettings:
     :param memory_header: the line that introduces the memories inside the system message.
     :param recompute_ratio: share of fragment tokens the blend recomputes by default; chosen from
         ``benchmarks/fidelity.py`` and ``benchmarks/ttft.py`` (see the README).
+    :param min_recompute_tokens: the blend recomputes at least this many fragment tokens (all of
+        them when there are fewer): for a few short memories the repair costs less than it risks.
     :param recompute_window: a recomputed fragment token attends to the shared prefix and to this
         many slots before it, not to the whole context (measured: no loss of fidelity at 512, and
         a quarter of the attention cost at 4k tokens).
@@ -60,10 +62,22 @@ class EngineSettings:
     system_prompt: str = "You are a helpful assistant."
     memory_header: str = "Relevant memories:"
     recompute_ratio: float = 0.10
+    min_recompute_tokens: int = 64
     recompute_window: int = 512
     encode_context: str = field(default_factory=builtin_encode_context)
     prefix_cache_bytes: int = 1 << 30
     fragment_cache_bytes: int = 1 << 30
+
+    def __post_init__(self) -> None:
+        inputs.check_ratio(self.recompute_ratio)
+        inputs.check_text(self.system_prompt, "system_prompt", allow_empty=True)
+        inputs.check_text(self.memory_header, "memory_header", allow_empty=True)
+        inputs.check_text(self.encode_context, "encode_context", allow_empty=True)
+        inputs.check_positive_int(self.recompute_window, "recompute_window")
+        for name in ("min_recompute_tokens", "prefix_cache_bytes", "fragment_cache_bytes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise InvalidInputError(f"{name} must be an int >= 0, got {value!r}")
 
 
 @dataclass(eq=False)
@@ -153,7 +167,6 @@ class KVShiftEngine:
         **overrides: Any,
     ) -> None:
         self.settings = replace(settings or EngineSettings(), **overrides)
-        inputs.check_ratio(self.settings.recompute_ratio)
         self.model = model.eval()
         self.model.set_attn_implementation(ATTENTION_NAME)
         self.tokenizer = tokenizer
@@ -474,6 +487,8 @@ class KVShiftEngine:
         tail = layout.tail_start
         slots = torch.cat([torch.arange(s.start, s.end) for s in new_spans])
         count = round(ratio * slots.numel())
+        if ratio > 0:
+            count = max(count, min(slots.numel(), self.settings.min_recompute_tokens))
         if count > 0:
             capture: list[torch.Tensor] = []
             selection = ForwardStep(torch.arange(tail, n), n, capture=capture, capture_queries=_SELECTION_QUERIES)

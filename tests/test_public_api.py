@@ -1,0 +1,43 @@
+"""The public surface is pinned: adding or removing a name is a deliberate change of this test."""
+
+import kvshift_memory
+from kvshift_memory import exceptions
+
+EXPECTED = {
+    "ContextOverflowError",
+    "EngineSettings",
+    "GenerationResult",
+    "GenerationStream",
+    "InvalidInputError",
+    "KVShiftEngine",
+    "KVShiftError",
+    "ModelLoadError",
+    "ModelNotFoundError",
+    "ReuseStats",
+    "ScoreResult",
+    "__version__",
+    "exceptions",
+}
+
+
+def test_all_is_pinned():
+    assert set(kvshift_memory.__all__) == EXPECTED
+    for name in kvshift_memory.__all__:
+        assert hasattr(kvshift_memory, name)
+
+
+def test_every_error_derives_from_the_base():
+    for name in exceptions.__all__:
+        error = getattr(exceptions, name)
+        assert issubclass(error, exceptions.KVShiftError)
+
+
+def test_no_unsafe_deserialisation_in_the_package():
+    """Stored KV is untrusted input: never pickle, torch.load or eval."""
+    import pathlib
+    import re
+
+    root = pathlib.Path(kvshift_memory.__file__).parent
+    pattern = re.compile(r"\b(pickle|torch\.load|eval\(|exec\(|marshal)\b")
+    offenders = [str(p) for p in root.rglob("*.py") if pattern.search(p.read_text())]
+    assert offenders == []
