@@ -59,7 +59,7 @@ def timed(engine: KVShiftEngine, condition: str, memories: list[str], ratio: flo
     if condition == "prefix":
         engine.generate(WARMING_QUESTION, memories, reuse="none", max_new_tokens=1)
     elif condition in ("shift", "blend"):
-        engine.warm(QUESTION, memories)
+        engine.warm(memories, QUESTION)
     reuse = {"none": "none", "prefix": "prefix", "shift": "blend", "blend": "blend"}[condition]
     recompute = 0.0 if condition == "shift" else ratio if condition == "blend" else None
     result = engine.generate(QUESTION, memories, reuse=reuse, recompute_ratio=recompute, max_new_tokens=1)
@@ -95,7 +95,7 @@ def main() -> None:
     for size in (int(s) for s in args.sizes.split(",")):
         memories = memories_of(engine, size, pool)
         engine.clear_cache()
-        engine.warm(QUESTION, memories)
+        engine.warm(memories, QUESTION)
         runs: dict[str, list[float]] = {c: [] for c in conditions}
         for repeat in range(args.repeats + 1):
             for condition in conditions:

@@ -37,14 +37,14 @@ def main() -> None:
     engine = KVShiftEngine.from_pretrained()
     print(f"model loaded in {time.perf_counter() - started:.1f} s")
     started = time.perf_counter()
-    encoded = engine.warm(QUESTIONS[0], MEMORIES)
+    encoded = engine.warm(MEMORIES)
     print(f"stored {len(MEMORIES)} memories: {encoded} KV fragments encoded in {time.perf_counter() - started:.2f} s\n")
 
     rows = []
     for question in QUESTIONS:
         for reuse in ("none", "blend"):
             engine.clear_cache(fragments=False)  # each answer starts from the stored fragments only
-            engine.warm(question, MEMORIES)
+            engine.warm(MEMORIES, question)
             result = engine.generate(question, MEMORIES, reuse=reuse, max_new_tokens=40)
             rows.append((question, reuse, result))
 

@@ -226,15 +226,15 @@ def test_special_tokens_in_content_stay_text(tiny_engine, tokenizer):
 
 def test_warm_encodes_once(tiny_engine):
     tiny_engine.clear_cache()
-    assert tiny_engine.warm("q", MEMORIES) == len(MEMORIES)
-    assert tiny_engine.warm("q", MEMORIES) == 0
+    assert tiny_engine.warm(MEMORIES, "q") == len(MEMORIES)
+    assert tiny_engine.warm(MEMORIES, "q") == 0
     result = tiny_engine.generate("q", MEMORIES, reuse="blend", max_new_tokens=1)
     assert result.stats.fragments_hit == len(MEMORIES)
 
 
 def test_generation_does_not_mutate_cached_fragments(tiny_engine):
     tiny_engine.clear_cache()
-    tiny_engine.warm("q", MEMORIES)
+    tiny_engine.warm(MEMORIES, "q")
     before = [tuple(t.clone() for t in f.keys) for f in tiny_engine._fragments.values()]
     tiny_engine.generate("q", MEMORIES, reuse="blend", recompute_ratio=0.5, max_new_tokens=4)
     after = [f.keys for f in tiny_engine._fragments.values()]

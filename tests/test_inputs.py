@@ -102,7 +102,7 @@ def test_score_rejects_bad_input(engine, label):
 
 def test_warm_and_count_tokens_reject_bad_input(engine):
     with pytest.raises(InvalidInputError):
-        engine.warm(OK, [""])
+        engine.warm([""], OK)
     with pytest.raises(InvalidInputError):
         engine.count_tokens(None)
 

@@ -284,15 +284,19 @@ class KVShiftEngine:
         layout, mode, ratio, requested, fallback = self._plan(messages, memories, reuse, recompute_ratio, len(cont_ids))
         return self._score(layout, mode, ratio, requested, fallback, cont_ids, return_distributions)
 
-    def warm(self, messages: Sequence[dict[str, str]] | str, memories: Sequence[Any]) -> int:
-        """Encode the memories' fragments and cache the shared prefix now, ahead of a question.
+    def warm(self, memories: Sequence[Any], messages: Sequence[dict[str, str]] | str | None = None) -> int:
+        """Encode the memories' fragments now, ahead of any question, and cache the shared prefix.
 
-        An agent calls this when it stores memories, so that the question later pays only for
-        itself. Does nothing for models whose positions cannot be shifted.
+        An agent calls this when it stores memories, so that a question later pays only for
+        itself. Fragments depend on the system message (they are encoded after it): pass the
+        ``messages`` whose system message will be used, or leave it out for the default one.
+        Does nothing for models whose positions cannot be shifted.
 
         :returns: how many fragments were encoded (those already cached are skipped).
         :raises InvalidInputError: bad messages or memories.
         """
+        if messages is None:
+            messages = [{"role": "user", "content": "?"}]  # only the system message matters here
         layout, mode, _, _, _ = self._plan(messages, memories, "blend", 0.0, 1)
         if mode != "blend" or not layout.fragments:
             return 0
@@ -364,8 +368,8 @@ class KVShiftEngine:
             self._prefixes.get(id(best))  # mark as recently used
         return best, best_len
 
-    def _remember_prefix(self, cache: ShiftCache, ids: torch.Tensor, exact_until: int) -> None:
-        filled = cache.length
+    def _remember_prefix(self, cache: ShiftCache, ids: torch.Tensor, filled: int, exact_until: int) -> None:
+        """Keep slots ``[0, filled)`` of ``cache`` (views, no copy: nothing writes there again)."""
         if filled == 0 or self.settings.prefix_cache_bytes <= 0:
             return
         kv = cache.view(0, filled)
@@ -381,7 +385,7 @@ class KVShiftEngine:
         scratch = ShiftCache(self.num_layers, start + room)
         reused, _ = self._reuse_prefix(scratch, PromptLayout(conditioning, ()), "prefix")
         self._prefill_exact(scratch, conditioning, reused, start, logits="none")
-        self._remember_prefix(scratch, conditioning, start)
+        self._remember_prefix(scratch, conditioning, start, start)
         return scratch, conditioning
 
     @torch.inference_mode()
@@ -562,6 +566,7 @@ class KVShiftEngine:
         prepared = self._prepare(layout, mode, ratio, requested, fallback, max_new_tokens)
         cache, logits, stats = prepared.cache, prepared.logits, prepared.stats
         n = layout.length
+        filled = n  # slots holding finished K/V: an interrupted step leaves its slot out
         generated: list[int] = []
         text, emitted, finish = "", 0, "length"
         decode_started = None
@@ -589,6 +594,7 @@ class KVShiftEngine:
                     break
                 slot = n + len(generated) - 1
                 logits = self._forward(cache, torch.tensor([token]), ForwardStep.span(slot, slot + 1))[-1]
+                filled = slot + 1
             if len(text) > emitted:
                 yield text[emitted:]
             elapsed = time.perf_counter() - decode_started
@@ -598,7 +604,7 @@ class KVShiftEngine:
             yield GenerationResult(text=text, token_ids=generated, stats=stats, finish_reason=finish)
         finally:
             all_ids = torch.cat([layout.token_ids, torch.tensor(generated, dtype=torch.long)])
-            self._remember_prefix(cache, all_ids, prepared.exact_until)
+            self._remember_prefix(cache, all_ids, filled, prepared.exact_until)
 
     @torch.inference_mode()
     def _score(self, layout, mode, ratio, requested, fallback, cont_ids, return_distributions) -> ScoreResult:

@@ -126,11 +126,6 @@ class ShiftCache(Cache):
         super().__init__(layers=[_ShiftLayer(capacity) for _ in range(num_layers)])
         self.capacity = capacity
 
-    @property
-    def length(self) -> int:
-        """Number of leading slots filled so far."""
-        return self.layers[0].length
-
     def write(self, layer: int, start: int, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Place ``keys``/``values`` (``[1, heads, n, dim]``) of ``layer`` at slots ``[start, start + n)``."""
         self.layers[layer].write(start, keys, values)
