@@ -14,7 +14,7 @@ import torch
 from ..exceptions import ContextOverflowError, InvalidInputError
 from ..kv.cache import ForwardStep, ShiftCache
 from ..kv.fragment import Fragment
-from ..kv.rope import shift_keys
+from ..kv.rope import rotate_
 from . import inputs
 from .attention import ATTENTION_NAME
 from .blend import choose_recompute
@@ -347,6 +347,9 @@ class KVShiftEngine:
     def _forward(self, cache: ShiftCache, ids: torch.Tensor, step: ForwardStep, logits: str = "last") -> torch.Tensor | None:
         """Run ``ids`` at ``step.slots`` over ``cache``; ``logits``: ``"last"``, ``"all"`` or ``"none"``."""
         with cache.stepping(step):
+            if logits == "none":  # the decoder alone: the LM head would read the whole vocabulary matrix
+                self.model.base_model(input_ids=ids[None], position_ids=step.slots[None], cache=cache, use_cache=True)
+                return None
             out = self.model(
                 input_ids=ids[None],
                 position_ids=step.slots[None],
@@ -354,8 +357,6 @@ class KVShiftEngine:
                 use_cache=True,
                 logits_to_keep=0 if logits == "all" else 1,
             )
-        if logits == "none":
-            return None
         return out.logits[0].float()
 
     def _lookup_prefix(self, ids: torch.Tensor) -> tuple[_PrefixEntry | None, int]:
@@ -378,21 +379,21 @@ class KVShiftEngine:
         self._prefixes.put(id(entry), entry)
 
     @torch.inference_mode()
-    def _conditioned_scratch(self, layout: PromptLayout, room: int) -> tuple[ShiftCache, torch.Tensor]:
-        """A cache holding the prefix and the encode context (cached for reuse), with ``room`` slots after."""
-        conditioning = torch.cat([layout.token_ids[: layout.prefix_length], self._encode_context_ids])
-        start = conditioning.numel()
-        scratch = ShiftCache(self.num_layers, start + room)
-        reused, _ = self._reuse_prefix(scratch, PromptLayout(conditioning, ()), "prefix")
-        self._prefill_exact(scratch, conditioning, reused, start, logits="none")
-        self._remember_prefix(scratch, conditioning, start, start)
-        return scratch, conditioning
+    def _prefilled(self, ids: torch.Tensor, room: int) -> ShiftCache:
+        """A cache holding the exact K/V of ``ids`` (reusing and remembering prefixes), with ``room`` slots after."""
+        n = ids.numel()
+        cache = ShiftCache(self.num_layers, n + room)
+        reused, _ = self._reuse_prefix(cache, PromptLayout(ids, ()), "prefix")
+        self._prefill_exact(cache, ids, reused, n, logits="none")
+        self._remember_prefix(cache, ids, n, n)
+        return cache
 
     @torch.inference_mode()
     def _encode_fragments(self, layout: PromptLayout, spans: list[FragmentSpan]) -> list[Fragment]:
         """Encode each span after the layout's prefix and the encode context."""
-        scratch, conditioning = self._conditioned_scratch(layout, max(len(s.token_ids) for s in spans))
+        conditioning = torch.cat([layout.token_ids[: layout.prefix_length], self._encode_context_ids])
         start = conditioning.numel()
+        scratch = self._prefilled(conditioning, max(len(s.token_ids) for s in spans))
         context_digest = digest_ids(conditioning.tolist())
         fragments = []
         for span in spans:
@@ -426,15 +427,20 @@ class KVShiftEngine:
 
     @torch.inference_mode()
     def _place(self, cache: ShiftCache, spans: list[FragmentSpan], fragments: list[Fragment]) -> None:
-        layers = self.position_scheme.layers
-        for span, fragment in zip(spans, fragments):
-            delta = span.start - fragment.base_position
-            for layer in range(self.num_layers):
-                cache.reserve(layer, fragment.keys[layer], fragment.values[layer])
-                keys, values = cache.buffer(layer)
-                shift_keys(fragment.keys[layer], layers[layer], delta, out=keys[..., span.start : span.end, :])
+        """Copy the fragments into their (adjacent) spans, then rotate the whole region once per layer."""
+        first, end = spans[0].start, spans[-1].end
+        deltas = torch.cat([torch.full((s.end - s.start,), s.start - f.base_position) for s, f in zip(spans, fragments)])
+        tables: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        for layer, rotary in enumerate(self.position_scheme.layers):
+            cache.reserve(layer, fragments[0].keys[layer], fragments[0].values[layer])
+            keys, values = cache.buffer(layer)
+            for span, fragment in zip(spans, fragments):
+                keys[..., span.start : span.end, :].copy_(fragment.keys[layer])
                 values[..., span.start : span.end, :].copy_(fragment.values[layer])
-        cache.mark_filled(spans[-1].end)
+            if id(rotary) not in tables:
+                tables[id(rotary)] = rotary.cos_sin(deltas, keys.dtype, keys.device)
+            rotate_(keys[..., first:end, :], *tables[id(rotary)], rotary.rotary_dim)
+        cache.mark_filled(end)
 
     @torch.inference_mode()
     def _prefill_exact(self, cache: ShiftCache, ids: torch.Tensor, start: int, end: int, logits: str = "last"):
@@ -527,7 +533,7 @@ class KVShiftEngine:
     def _warm(self, layout: PromptLayout) -> int:
         _, hits = self._fetch_fragments(layout, list(layout.fragments))
         if all(hits):  # nothing was encoded, so the shared prefix may not be cached yet
-            self._conditioned_scratch(layout, 0)
+            self._prefilled(layout.token_ids[: layout.prefix_length], 0)
         return hits.count(False)
 
     # ------------------------------------------------------------------ decoding and scoring

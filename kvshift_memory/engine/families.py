@@ -80,13 +80,12 @@ def _rotary_layers(model: torch.nn.Module, config) -> tuple[RotaryLayer, ...]:
     if rotary is None:
         raise LookupError("no rotary embedding module")
     layer_types = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
-    layers = []
+    shared: dict[str, RotaryLayer] = {}  # layers of one type share one object: rotation tables are built once
     for layer_type in layer_types:
-        inv_freq = getattr(rotary, f"{layer_type}_inv_freq", None)
-        if inv_freq is None:
-            inv_freq = rotary.inv_freq
-        layers.append(RotaryLayer(inv_freq))
-    return tuple(layers)
+        if layer_type not in shared:
+            inv_freq = getattr(rotary, f"{layer_type}_inv_freq", None)
+            shared[layer_type] = RotaryLayer(rotary.inv_freq if inv_freq is None else inv_freq)
+    return tuple(shared[layer_type] for layer_type in layer_types)
 
 
 def position_scheme(model: torch.nn.Module) -> PositionScheme:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["RotaryLayer", "shift_keys"]
+__all__ = ["RotaryLayer", "rotate_", "shift_keys"]
 
 
 class RotaryLayer:
@@ -30,10 +30,9 @@ class RotaryLayer:
         self.inv_freq = inv_freq.detach().to(torch.float64).cpu()
         self.rotary_dim = 2 * self.inv_freq.numel()
 
-    def cos_sin(self, delta: int, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """Cosine and sine of the rotation by ``delta`` positions, laid out as transformers does."""
-        angles = delta * self.inv_freq
-        angles = torch.cat((angles, angles))
+    def cos_sin(self, deltas: int | torch.Tensor, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Cosine and sine of rotations by ``deltas`` positions (an int, or one per token: ``[n, half]``)."""
+        angles = torch.as_tensor(deltas, dtype=torch.float64)[..., None] * self.inv_freq
         return angles.cos().to(dtype=dtype, device=device), angles.sin().to(dtype=dtype, device=device)
 
 
@@ -46,18 +45,23 @@ def shift_keys(keys: torch.Tensor, layer: RotaryLayer, delta: int, out: torch.Te
     """
     if out is None:
         out = torch.empty_like(keys)
-    if delta == 0:
-        out.copy_(keys)
-        return out
-    rot = layer.rotary_dim
-    cos, sin = layer.cos_sin(delta, keys.dtype, keys.device)
-    half = rot // 2
-    k1, k2 = keys[..., :half], keys[..., half:rot]
-    c1, c2 = cos[:half], cos[half:]
-    s1, s2 = sin[:half], sin[half:]
-    # rotate_half(k) = cat(-k2, k1): out = k * cos + rotate_half(k) * sin, written half by half.
-    torch.addcmul(k1 * c1, k2, -s1, out=out[..., :half])
-    torch.addcmul(k2 * c2, k1, s2, out=out[..., half:rot])
-    if rot < keys.shape[-1]:
-        out[..., rot:].copy_(keys[..., rot:])
+    out.copy_(keys)
+    if delta:
+        rotate_(out, *layer.cos_sin(delta, keys.dtype, keys.device), layer.rotary_dim)
     return out
+
+
+def rotate_(keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int) -> torch.Tensor:
+    """Rotate ``keys`` (``[..., seq, head_dim]``) in place by the angles whose ``cos``/``sin`` are given.
+
+    :param cos: ``[half]`` (one rotation for every token) or ``[seq, half]`` (one per token), with
+        ``half = rotary_dim / 2``; channels past ``rotary_dim`` are left alone.
+    """
+    half = rotary_dim // 2
+    k1, k2 = keys[..., :half], keys[..., half:rotary_dim]
+    # rotate_half(k) = cat(-k2, k1), so k * cos + rotate_half(k) * sin is, half by half:
+    #   k1' = k1 cos - k2 sin,   k2' = k2 cos + k1 sin
+    k1_sin = k1 * sin
+    k1.mul_(cos).addcmul_(k2, sin, value=-1.0)
+    k2.mul_(cos).add_(k1_sin)
+    return keys
