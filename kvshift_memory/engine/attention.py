@@ -9,6 +9,8 @@ sliding-window layers). Registering a name transformers has no mask function for
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
@@ -20,7 +22,7 @@ __all__ = ["ATTENTION_NAME", "kvshift_attention"]
 ATTENTION_NAME = "kvshift"
 
 # Scattered queries (the blend's recompute pass) are processed in chunks of at most this many, and
-# a chunk closes once its queries span more than half the local window: each chunk attends to the
+# a chunk closes once its queries span more than a quarter of the local window: each chunk attends to the
 # keys its own queries can see, so the masked-out work stays small.
 _QUERY_CHUNK = 64
 
@@ -53,7 +55,7 @@ def _chunks(slots: torch.Tensor, step: ForwardStep | None) -> list[tuple[int, in
     """Split ascending query slots into index ranges ``[start, end)``."""
     if step is None or step.contiguous:
         return [(start, min(start + _QUERY_CHUNK, slots.numel())) for start in range(0, slots.numel(), _QUERY_CHUNK)]
-    span_limit = step.local_window or step.key_length
+    span_limit = (step.local_window or step.key_length) // 4
     bounds, start = [], 0
     values = slots.tolist()
     for index in range(1, len(values) + 1):
@@ -63,8 +65,11 @@ def _chunks(slots: torch.Tensor, step: ForwardStep | None) -> list[tuple[int, in
     return bounds
 
 
-def _explicit_attention(query, key, value, visible, scaling, softcap, capture, key_length):
-    """Softmax attention spelt out, for when we need the probabilities or a logit soft-cap."""
+def _explicit_attention(query, key, value, visible, scaling, softcap, capture, capture_from=0):
+    """Softmax attention spelt out, for when we need the probabilities or a logit soft-cap.
+
+    With ``capture`` a list, appends the probability mass each key gets from queries ``capture_from..``.
+    """
     batch, q_heads, q_len, dim = query.shape
     kv_heads = key.shape[1]
     group = q_heads // kv_heads
@@ -75,9 +80,42 @@ def _explicit_attention(query, key, value, visible, scaling, softcap, capture, k
     scores = scores.view(batch, kv_heads, group, q_len, -1).masked_fill(~visible, float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     if capture is not None:
-        capture.append(probs.sum(dim=(0, 1, 2, 3)))
+        capture.append(probs[..., capture_from:, :].sum(dim=(0, 1, 2, 3)))
     out = torch.matmul(probs.to(value.dtype).view(batch, kv_heads, group * q_len, -1), value)
     return out.view(batch, q_heads, q_len, value.shape[-1])
+
+
+@dataclass(frozen=True)
+class _Chunk:
+    """One SDPA call: queries ``[start, end)`` of the step over the keys in ``ranges`` (slot ranges)."""
+
+    start: int
+    end: int
+    ranges: tuple[tuple[int, int], ...]
+    mask: torch.Tensor | None
+
+
+def _plan(slots: torch.Tensor, window: int | None, step: ForwardStep | None) -> list[_Chunk]:
+    """The chunks of a pass; every layer of one attention kind shares them, so they are built once."""
+    plans = step.plans if step is not None else {}
+    if window in plans:
+        return plans[window]
+    chunks = []
+    for start, end in _chunks(slots, step):
+        chunk = slots[start:end]
+        key_slots = _key_slots(chunk, window, step)
+        lo, hi = int(key_slots[0]), int(key_slots[-1]) + 1
+        if hi - lo == key_slots.numel():
+            ranges: tuple[tuple[int, int], ...] = ((lo, hi),)
+        else:  # the anchor slots, then a local range
+            split = int((key_slots[1:] - key_slots[:-1] > 1).nonzero()[0]) + 1
+            ranges = ((lo, int(key_slots[split - 1]) + 1), (int(key_slots[split]), hi))
+        mask = _visible(chunk, key_slots, window, step)
+        if chunk.numel() == 1 and bool(mask.all()):
+            mask = None  # a decoding step: the one query sees every key given
+        chunks.append(_Chunk(start, end, ranges, mask))
+    plans[window] = chunks
+    return chunks
 
 
 def _sdpa_attention(query, key, value, slots, window, step, scaling):
@@ -86,23 +124,16 @@ def _sdpa_attention(query, key, value, slots, window, step, scaling):
     if window is None and q_len == key_length and (step is None or step.contiguous):
         return F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling, enable_gqa=True)
     outs = []
-    for start, end in _chunks(slots, step):
-        chunk = slots[start:end]
-        key_slots = _key_slots(chunk, window, step)
-        lo, hi = int(key_slots[0]), int(key_slots[-1]) + 1
-        if hi - lo == key_slots.numel():
+    for chunk in _plan(slots, window, step):
+        if len(chunk.ranges) == 1:
+            (lo, hi), = chunk.ranges
             chunk_keys, chunk_values = key[:, :, lo:hi], value[:, :, lo:hi]
-        else:  # the anchor slots, then a local range: two slices are cheaper to join than a gather
-            split = int((key_slots[1:] - key_slots[:-1] > 1).nonzero()[0]) + 1
-            ranges = ((lo, int(key_slots[split - 1]) + 1), (int(key_slots[split]), hi))
-            chunk_keys = torch.cat([key[:, :, a:b] for a, b in ranges], dim=2)
-            chunk_values = torch.cat([value[:, :, a:b] for a, b in ranges], dim=2)
-        mask = _visible(chunk, key_slots, window, step)
-        if chunk.numel() == 1 and bool(mask.all()):
-            mask = None  # a decoding step: the one query sees every key given
+        else:  # two slices are cheaper to join than a gather
+            chunk_keys = torch.cat([key[:, :, a:b] for a, b in chunk.ranges], dim=2)
+            chunk_values = torch.cat([value[:, :, a:b] for a, b in chunk.ranges], dim=2)
         outs.append(
             F.scaled_dot_product_attention(
-                query[:, :, start:end], chunk_keys, chunk_values, attn_mask=mask, scale=scaling, enable_gqa=True
+                query[:, :, chunk.start : chunk.end], chunk_keys, chunk_values, attn_mask=chunk.mask, scale=scaling, enable_gqa=True
             )
         )
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
@@ -143,14 +174,14 @@ def kvshift_attention(
     all_keys = torch.arange(key_length)
 
     if softcap is not None:
-        capture = step.capture if step is not None else None
-        out = _explicit_attention(query, key, value, _visible(slots, all_keys, window, step), scaling, softcap, capture, key_length)
+        capture, capture_from = (step.capture, max(0, q_len - step.capture_queries)) if step is not None else (None, 0)
+        out = _explicit_attention(query, key, value, _visible(slots, all_keys, window, step), scaling, softcap, capture, capture_from)
     elif step is not None and step.capture is not None:
         # Only the last queries' attention is recorded (the ones that lead into the answer); the
         # others go through the fast kernel.
         split = max(0, q_len - step.capture_queries)
         tail = _explicit_attention(
-            query[:, :, split:], key, value, _visible(slots[split:], all_keys, window, step), scaling, None, step.capture, key_length
+            query[:, :, split:], key, value, _visible(slots[split:], all_keys, window, step), scaling, None, step.capture
         )
         if split:
             head = _sdpa_attention(query[:, :, :split], key, value, slots[:split], window, step, scaling)

@@ -96,7 +96,6 @@ class _Prepared:
     logits: torch.Tensor
     stats: ReuseStats
     exact_until: int
-    started: float
 
 
 def _common_prefix(a: torch.Tensor, b: torch.Tensor) -> int:
@@ -240,12 +239,13 @@ class KVShiftEngine:
         :raises InvalidInputError: bad messages, memories or parameters.
         :raises ContextOverflowError: the prompt plus ``max_new_tokens`` exceeds the context window.
         """
+        started = time.perf_counter()  # TTFT counts from here: validation and tokenising are the user's wait too
         max_new_tokens = inputs.check_positive_int(max_new_tokens, "max_new_tokens")
         inputs.check_sampling(temperature, top_p, top_k, seed)
         stops = inputs.check_stop(stop)
         layout, mode, ratio, requested, fallback = self._plan(messages, memories, reuse, recompute_ratio, max_new_tokens)
         sampling = (float(temperature), float(top_p), int(top_k), seed)
-        steps = self._generate_steps(layout, mode, ratio, requested, fallback, max_new_tokens, sampling, stops)
+        steps = self._generate_steps(layout, mode, ratio, requested, fallback, max_new_tokens, sampling, stops, started)
         if stream:
             return GenerationStream(steps)
         stream_of_steps = GenerationStream(steps)
@@ -274,6 +274,7 @@ class KVShiftEngine:
         :raises InvalidInputError: bad input, or token ids outside the vocabulary.
         :raises ContextOverflowError: prompt plus continuation exceeds the context window.
         """
+        started = time.perf_counter()
         continuation = inputs.check_continuation(continuation)
         if isinstance(continuation, str):
             cont_ids = self.tokenizer(continuation, add_special_tokens=False, split_special_tokens=True)["input_ids"]
@@ -282,7 +283,7 @@ class KVShiftEngine:
             if max(cont_ids) >= self.vocab_size:
                 raise InvalidInputError(f"continuation holds token id {max(cont_ids)} >= vocabulary size {self.vocab_size}")
         layout, mode, ratio, requested, fallback = self._plan(messages, memories, reuse, recompute_ratio, len(cont_ids))
-        return self._score(layout, mode, ratio, requested, fallback, cont_ids, return_distributions)
+        return self._score(layout, mode, ratio, requested, fallback, cont_ids, return_distributions, started)
 
     def warm(self, memories: Sequence[Any], messages: Sequence[dict[str, str]] | str | None = None) -> int:
         """Encode the memories' fragments now, ahead of any question, and cache the shared prefix.
@@ -469,8 +470,9 @@ class KVShiftEngine:
         return reused, (n if reused <= entry.exact_length else entry.exact_length)
 
     @torch.inference_mode()
-    def _prepare(self, layout: PromptLayout, mode: str, ratio: float, requested: str, fallback: str | None, extra: int) -> _Prepared:
-        started = time.perf_counter()
+    def _prepare(
+        self, layout: PromptLayout, mode: str, ratio: float, requested: str, fallback: str | None, extra: int
+    ) -> _Prepared:
         ids, n = layout.token_ids, layout.length
         cache = ShiftCache(self.num_layers, n + extra)
         stats = ReuseStats(
@@ -487,7 +489,7 @@ class KVShiftEngine:
         if not new_spans:
             logits = self._prefill_exact(cache, ids, reused, n)
             stats.prefilled_tokens = n - reused
-            return _Prepared(cache, logits[-1], stats, exact_until, started)
+            return _Prepared(cache, logits[-1], stats, exact_until)
 
         first = new_spans[0].start
         self._prefill_exact(cache, ids, reused, first, logits="none")
@@ -528,7 +530,7 @@ class KVShiftEngine:
                 stats.encoded_tokens += kept
         stats.recomputed_tokens = int(chosen.numel())
         stats.prefilled_tokens = (first - reused) + (n - tail)
-        return _Prepared(cache, logits[-1], stats, exact_until, started)
+        return _Prepared(cache, logits[-1], stats, exact_until)
 
     def _warm(self, layout: PromptLayout) -> int:
         _, hits = self._fetch_fragments(layout, list(layout.fragments))
@@ -563,7 +565,7 @@ class KVShiftEngine:
             probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
         return int(torch.multinomial(probs, 1, generator=generator))
 
-    def _generate_steps(self, layout, mode, ratio, requested, fallback, max_new_tokens, sampling, stops) -> Iterator:
+    def _generate_steps(self, layout, mode, ratio, requested, fallback, max_new_tokens, sampling, stops, started) -> Iterator:
         temperature, top_p, top_k, seed = sampling
         generator = None
         if temperature > 0.0:
@@ -581,7 +583,7 @@ class KVShiftEngine:
                 token = self._pick(logits, temperature, top_p, top_k, generator)
                 if decode_started is None:
                     decode_started = time.perf_counter()
-                    stats.ttft_s = decode_started - prepared.started
+                    stats.ttft_s = decode_started - started
                     yield stats
                 if token in self.eos_token_ids:
                     finish = "stop"
@@ -606,17 +608,17 @@ class KVShiftEngine:
             elapsed = time.perf_counter() - decode_started
             stats.generated_tokens = len(generated)
             stats.decode_tokens_per_s = (len(generated) - 1) / elapsed if len(generated) > 1 and elapsed > 0 else 0.0
-            stats.total_s = time.perf_counter() - prepared.started
+            stats.total_s = time.perf_counter() - started
             yield GenerationResult(text=text, token_ids=generated, stats=stats, finish_reason=finish)
         finally:
             all_ids = torch.cat([layout.token_ids, torch.tensor(generated, dtype=torch.long)])
             self._remember_prefix(cache, all_ids, filled, prepared.exact_until)
 
     @torch.inference_mode()
-    def _score(self, layout, mode, ratio, requested, fallback, cont_ids, return_distributions) -> ScoreResult:
+    def _score(self, layout, mode, ratio, requested, fallback, cont_ids, return_distributions, started) -> ScoreResult:
         prepared = self._prepare(layout, mode, ratio, requested, fallback, len(cont_ids))
         stats = prepared.stats
-        stats.ttft_s = time.perf_counter() - prepared.started
+        stats.ttft_s = time.perf_counter() - started
         rows = [prepared.logits[None]]
         if len(cont_ids) > 1:
             n = layout.length
@@ -624,7 +626,7 @@ class KVShiftEngine:
             rows.append(self._forward(prepared.cache, ids, ForwardStep.span(n, n + ids.numel()), logits="all"))
         distributions = torch.log_softmax(torch.cat(rows), dim=-1)
         picked = distributions.gather(1, torch.tensor(cont_ids)[:, None])[:, 0]
-        stats.total_s = time.perf_counter() - prepared.started
+        stats.total_s = time.perf_counter() - started
         return ScoreResult(
             logprobs=picked.tolist(),
             token_ids=list(cont_ids),

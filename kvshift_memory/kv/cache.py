@@ -49,6 +49,7 @@ class ForwardStep:
     anchor: int = 0
     first_slot: int = field(init=False)
     contiguous: bool = field(init=False)
+    plans: dict = field(init=False, default_factory=dict)  # the attention's per-pass chunk plans
 
     def __post_init__(self) -> None:
         self.first_slot = int(self.slots[0])
