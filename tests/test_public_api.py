@@ -41,3 +41,18 @@ def test_no_unsafe_deserialisation_in_the_package():
     pattern = re.compile(r"\b(pickle|torch\.load|eval\(|exec\(|marshal)\b")
     offenders = [str(p) for p in root.rglob("*.py") if pattern.search(p.read_text())]
     assert offenders == []
+
+
+def test_every_data_file_in_the_package_ships_in_wheels():
+    """Files read through importlib.resources must be declared as package data, or wheels lack them."""
+    import fnmatch
+    import pathlib
+
+    tomllib = __import__("pytest").importorskip("tomllib")
+    root = pathlib.Path(kvshift_memory.__file__).parent
+    declared = tomllib.loads((root.parent / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
+    for path in root.rglob("*"):
+        if path.is_dir() or path.suffix in (".py", ".pyc"):
+            continue
+        package = ".".join(path.parent.relative_to(root.parent).parts)
+        assert any(fnmatch.fnmatch(path.name, pattern) for pattern in declared.get(package, [])), path
