@@ -53,8 +53,16 @@ def contains(answer: str, text: str) -> bool:
 
 
 def context_names(engine: KVShiftEngine) -> set[str]:
-    """Capitalised words of the encode context: if an answer uses one the prompt lacks, it leaked."""
-    return set(re.findall(r"\b[A-Z][a-z]{2,}\b", engine.settings.encode_context)) - {"Hey", "Yes", "Have", "Anyway"}
+    """Names, months and days of the encode context: if an answer uses one the prompt lacks, it leaked.
+
+    The speakers, and the capitalised words the context never uses to open a sentence ("They",
+    "How" are ordinary words an answer may start with; "Maya", "Thursday" are not).
+    """
+    text = engine.settings.encode_context
+    speakers = set(re.findall(r"^([A-Z][a-z]+):", text, re.MULTILINE))
+    capitalised = set(re.findall(r"\b[A-Z][a-z]{2,}\b", text))
+    openers = set(re.findall(r"(?:^|[.!?:]\s+)([A-Z][a-z]{2,})\b", text, re.MULTILINE))
+    return speakers | (capitalised - openers)
 
 
 def run_dataset(engine, ablation, instances, ratios, default_ratio, generate, max_new_tokens, seed):
@@ -66,7 +74,7 @@ def run_dataset(engine, ablation, instances, ratios, default_ratio, generate, ma
     generated = {"reorder", "shift", default, "blend@default, no encode context"} if generate else set()
     rows = {name: [] for name in conditions}
     accuracy = {name: [] for name in ["none", *conditions]}
-    leaks = 0
+    leaks: list[dict] = []
     names = context_names(engine)
     eos = sorted(engine.eos_token_ids)[0]
     for index, instance in enumerate(instances):
@@ -98,8 +106,10 @@ def run_dataset(engine, ablation, instances, ratios, default_ratio, generate, ma
                 own = run_engine.generate(messages, run_memories, reuse=reuse, recompute_ratio=ratio, max_new_tokens=max_new_tokens)
                 row["exact"] = own.token_ids == reference.token_ids
                 accuracy[name].append(contains(instance.answer, own.text))
-                leaked = {n for n in names if n in own.text and n not in reference.text and all(n not in m for m in memories)}
-                leaks += bool(leaked)
+                if run_engine is engine and reuse == "blend":  # only these read fragments encoded after the context
+                    leaked = {n for n in names if n in own.text and n not in reference.text and all(n not in m for m in memories)}
+                    if leaked:
+                        leaks.append({"instance": index, "condition": name, "words": sorted(leaked), "answer": own.text})
             rows[name].append(row)
         layout, *_ = engine._plan(messages, memories, "blend", 0.0, 1)
         span_tokens = sum(span.end - span.start for span in layout.fragments)
@@ -176,7 +186,7 @@ def main() -> None:
         report["datasets"][name] = {"instances": len(instances), "summary": summary, "per_instance": rows}
         print_table(f"{name} ({len(instances)} instances, seed {args.seed})", summary)
         if generate:
-            print(f"answers naming something from the encode context the prompt lacks: {summary['_encode_context_leaks']}")
+            print(f"answers naming something from the encode context the prompt lacks: {len(summary['_encode_context_leaks'])}")
     report["elapsed_s"] = time.time() - started
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(report, indent=1))

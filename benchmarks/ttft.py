@@ -72,12 +72,13 @@ def main() -> None:
     parser.add_argument("--sizes", default="512,1024,2048,4096")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--recompute-ratio", type=float, default=None, help="blend's ratio (default: the engine's)")
     parser.add_argument("--output", type=Path, default=RESULTS / "ttft.json")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
     engine = KVShiftEngine.from_pretrained()
-    ratio = engine.settings.recompute_ratio
+    ratio = engine.settings.recompute_ratio if args.recompute_ratio is None else args.recompute_ratio
     pool = [m for instance in build_instances(60, engine.count_tokens, seed=11) for m in instance.memories]
     pool = list(dict.fromkeys(pool))
     conditions = ("none", "prefix", "shift", "blend")
