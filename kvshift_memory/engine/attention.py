@@ -22,8 +22,8 @@ __all__ = ["ATTENTION_NAME", "kvshift_attention"]
 ATTENTION_NAME = "kvshift"
 
 # Scattered queries (the blend's recompute pass) are processed in chunks of at most this many, and
-# a chunk closes once its queries span more than a quarter of the local window: each chunk attends to the
-# keys its own queries can see, so the masked-out work stays small.
+# a chunk closes once its queries span more than a quarter of the local window: each chunk attends
+# to the keys its own queries can see, so the masked-out work stays small.
 _QUERY_CHUNK = 64
 
 
@@ -98,8 +98,9 @@ class _Chunk:
 def _plan(slots: torch.Tensor, window: int | None, step: ForwardStep | None) -> list[_Chunk]:
     """The chunks of a pass; every layer of one attention kind shares them, so they are built once."""
     plans = step.plans if step is not None else {}
-    if window in plans:
-        return plans[window]
+    key = (window, slots.numel())  # the capture pass plans only its leading queries here
+    if key in plans:
+        return plans[key]
     chunks = []
     for start, end in _chunks(slots, step):
         chunk = slots[start:end]
@@ -114,7 +115,7 @@ def _plan(slots: torch.Tensor, window: int | None, step: ForwardStep | None) -> 
         if chunk.numel() == 1 and bool(mask.all()):
             mask = None  # a decoding step: the one query sees every key given
         chunks.append(_Chunk(start, end, ranges, mask))
-    plans[window] = chunks
+    plans[key] = chunks
     return chunks
 
 
