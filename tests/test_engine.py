@@ -94,6 +94,19 @@ def test_blend_recomputing_every_fragment_token_is_exact(bundled_engine):
 
 
 @pytest.mark.model
+def test_blend_recomputing_every_token_of_long_memories_is_exact(bundled_engine):
+    """Past the recompute window too: ratio 1 must not be a windowed approximation."""
+    memories = [f"{text} " * 40 for text in MEMORIES]
+    messages = [{"role": "user", "content": "What is the budget for the Lisbon trip?"}]
+    bundled_engine.clear_cache()
+    full = _first_logits(bundled_engine, messages, memories, reuse="none")
+    span = bundled_engine.generate(messages, memories, reuse="blend", recompute_ratio=1.0, max_new_tokens=1).stats
+    assert span.recomputed_tokens > 2 * bundled_engine.settings.recompute_window
+    blended = _first_logits(bundled_engine, messages, memories, reuse="blend", ratio=1.0)
+    assert (full - blended).abs().max() <= 1e-3
+
+
+@pytest.mark.model
 def test_blend_on_tiny_memories_keeps_the_answer(bundled_engine):
     """A few short memories cost less to recompute than to repair: the answer must not change."""
     question = [{"role": "user", "content": "What is the budget for the Lisbon trip?"}]

@@ -47,8 +47,9 @@ class EngineSettings:
     :param min_recompute_tokens: the blend recomputes at least this many fragment tokens (all of
         them when there are fewer): for a few short memories the repair costs less than it risks.
     :param recompute_window: a recomputed fragment token attends to the shared prefix and to this
-        many slots before it, not to the whole context (measured: no loss of fidelity at 512, and
-        a quarter of the attention cost at 4k tokens).
+        many slots before it, not to the whole context (measured: no loss of mean KL at the default
+        ratio at 512, and a quarter of the attention cost at 4k tokens). Not applied when every
+        fragment token is recomputed (``recompute_ratio=1``), which is then exact.
     :param encode_context: text a fragment is encoded after (between the shared prefix and the
         fragment, and never placed in a prompt). In a prompt a memory follows other memories, not
         the bare prefix; encoding it after a realistic stretch of other memory text makes its K/V
@@ -510,7 +511,8 @@ class KVShiftEngine:
             step = ForwardStep(
                 queries,
                 key_length=n,
-                local_window=self.settings.recompute_window,
+                # recomputing every fragment token is a full recompute: no window, so it is exact
+                local_window=None if count == slots.numel() else self.settings.recompute_window,
                 local_before=tail,
                 anchor=layout.prefix_length,
             )
