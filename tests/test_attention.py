@@ -78,7 +78,7 @@ def test_chunk_plans_are_shared_by_layers_but_not_across_windows():
     again = _run(query, key, value, step)
     windowed = _run(query, key, value, step, sliding_window=20)
     assert torch.equal(first, again)
-    assert {window for window, _ in step.plans} == {None, 20}
+    assert {window for _, window, _ in step.plans} == {None, 20}
     torch.testing.assert_close(windowed, _reference(query, key, value, slots, step, sliding_window=20), rtol=1e-5, atol=1e-5)
 
 

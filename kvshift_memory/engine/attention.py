@@ -65,6 +65,15 @@ def _chunks(slots: torch.Tensor, step: ForwardStep | None) -> list[tuple[int, in
     return bounds
 
 
+def _dense_mask(slots: torch.Tensor, key_length: int, window: int | None, step: ForwardStep | None) -> torch.Tensor:
+    """``_visible`` over all keys, built once per pass (kept on the step) rather than once per layer."""
+    plans = step.plans if step is not None else {}
+    key = ("dense", window, slots.numel())
+    if key not in plans:
+        plans[key] = _visible(slots, torch.arange(key_length), window, step)
+    return plans[key]
+
+
 def _explicit_attention(query, key, value, visible, scaling, softcap, capture, capture_from=0):
     """Softmax attention spelt out, for when we need the probabilities or a logit soft-cap.
 
@@ -98,7 +107,7 @@ class _Chunk:
 def _plan(slots: torch.Tensor, window: int | None, step: ForwardStep | None) -> list[_Chunk]:
     """The chunks of a pass; every layer of one attention kind shares them, so they are built once."""
     plans = step.plans if step is not None else {}
-    key = (window, slots.numel())  # the capture pass plans only its leading queries here
+    key = ("chunks", window, slots.numel())  # the capture pass plans only its leading queries here
     if key in plans:
         return plans[key]
     chunks = []
@@ -172,18 +181,17 @@ def kvshift_attention(
     else:
         slots = step.slots.to(query.device)
     window = sliding_window if sliding_window and sliding_window < key_length else None
-    all_keys = torch.arange(key_length)
 
     if softcap is not None:
         capture, capture_from = (step.capture, max(0, q_len - step.capture_queries)) if step is not None else (None, 0)
-        out = _explicit_attention(query, key, value, _visible(slots, all_keys, window, step), scaling, softcap, capture, capture_from)
+        visible = _dense_mask(slots, key_length, window, step)
+        out = _explicit_attention(query, key, value, visible, scaling, softcap, capture, capture_from)
     elif step is not None and step.capture is not None:
         # Only the last queries' attention is recorded (the ones that lead into the answer); the
         # others go through the fast kernel.
         split = max(0, q_len - step.capture_queries)
-        tail = _explicit_attention(
-            query[:, :, split:], key, value, _visible(slots[split:], all_keys, window, step), scaling, None, step.capture
-        )
+        visible = _dense_mask(slots[split:], key_length, window, step)
+        tail = _explicit_attention(query[:, :, split:], key, value, visible, scaling, None, step.capture)
         if split:
             head = _sdpa_attention(query[:, :, :split], key, value, slots[:split], window, step, scaling)
             tail = torch.cat([head, tail], dim=2)

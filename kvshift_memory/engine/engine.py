@@ -76,9 +76,7 @@ class EngineSettings:
         inputs.check_text(self.encode_context, "encode_context", allow_empty=True)
         inputs.check_positive_int(self.recompute_window, "recompute_window")
         for name in ("min_recompute_tokens", "prefix_cache_bytes", "fragment_cache_bytes"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise InvalidInputError(f"{name} must be an int >= 0, got {value!r}")
+            inputs.check_non_negative_int(getattr(self, name), name)
 
 
 @dataclass(eq=False)

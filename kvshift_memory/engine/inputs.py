@@ -99,6 +99,12 @@ def check_positive_int(value: Any, name: str) -> int:
     return value
 
 
+def check_non_negative_int(value: Any, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise InvalidInputError(f"{name} must be an int >= 0, got {value!r}")
+    return value
+
+
 def check_ratio(value: Any, name: str = "recompute_ratio") -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0:
         raise InvalidInputError(f"{name} must be a number in [0, 1], got {value!r}")
@@ -110,8 +116,7 @@ def check_sampling(temperature: Any, top_p: Any, top_k: Any, seed: Any) -> None:
         raise InvalidInputError(f"temperature must be a number in [0, 100], got {temperature!r}")
     if isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0.0 < top_p <= 1.0:
         raise InvalidInputError(f"top_p must be a number in (0, 1], got {top_p!r}")
-    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
-        raise InvalidInputError(f"top_k must be an int >= 0 (0: no limit), got {top_k!r}")
+    check_non_negative_int(top_k, "top_k (0: no limit)")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
         raise InvalidInputError(f"seed must be an int or None, got {seed!r}")
 

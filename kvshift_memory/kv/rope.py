@@ -36,19 +36,12 @@ class RotaryLayer:
         return angles.cos().to(dtype=dtype, device=device), angles.sin().to(dtype=dtype, device=device)
 
 
-def shift_keys(keys: torch.Tensor, layer: RotaryLayer, delta: int, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Rotate post-RoPE ``keys`` (``[..., seq, head_dim]``) by ``delta`` positions.
-
-    :param out: where to write the result (same shape as ``keys``); a new tensor when omitted.
-        Writing straight into a cache buffer saves one copy of the whole fragment.
-    :returns: the shifted keys (``out`` when given).
-    """
-    if out is None:
-        out = torch.empty_like(keys)
-    out.copy_(keys)
+def shift_keys(keys: torch.Tensor, layer: RotaryLayer, delta: int) -> torch.Tensor:
+    """Post-RoPE ``keys`` (``[..., seq, head_dim]``) rotated by ``delta`` positions, as a new tensor."""
+    shifted = keys.clone()
     if delta:
-        rotate_(out, *layer.cos_sin(delta, keys.dtype, keys.device), layer.rotary_dim)
-    return out
+        rotate_(shifted, *layer.cos_sin(delta, keys.dtype, keys.device), layer.rotary_dim)
+    return shifted
 
 
 def rotate_(keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int) -> torch.Tensor:
