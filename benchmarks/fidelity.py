@@ -72,7 +72,7 @@ def run_dataset(engine, ablation, instances, ratios, default_ratio, generate, ma
     # Answers are generated (exact match, contains-answer) for the conditions a user meets; the
     # other ratios are scored only (KL, top-1), which is what the recompute curve needs.
     generated = {"reorder", "shift", default, "blend@default, no encode context"} if generate else set()
-    rows = {name: [] for name in conditions}
+    rows = {name: [] for name in ["none", *conditions]}  # "none": the reference answers
     accuracy = {name: [] for name in ["none", *conditions]}
     leaks: list[dict] = []
     names = context_names(engine)
@@ -85,6 +85,8 @@ def run_dataset(engine, ablation, instances, ratios, default_ratio, generate, ma
         if not answer_ids:
             continue
         accuracy["none"].append(contains(instance.answer, reference.text))
+        rows["none"].append({"question": instance.question, "expected": instance.answer,
+                             "answer": reference.text, "contains": accuracy["none"][-1]})
         full = engine.score(messages, memories, answer_ids, reuse="none", return_distributions=True).distributions
         shuffled = list(memories)
         random.Random(f"{seed}:{index}").shuffle(shuffled)
@@ -106,6 +108,7 @@ def run_dataset(engine, ablation, instances, ratios, default_ratio, generate, ma
                 own = run_engine.generate(messages, run_memories, reuse=reuse, recompute_ratio=ratio, max_new_tokens=max_new_tokens)
                 row["exact"] = own.token_ids == reference.token_ids
                 accuracy[name].append(contains(instance.answer, own.text))
+                row.update(answer=own.text, contains=accuracy[name][-1])
                 if run_engine is engine and reuse == "blend":  # only these read fragments encoded after the context
                     leaked = {n for n in names if n in own.text and n not in reference.text and all(n not in m for m in memories)}
                     if leaked:
