@@ -12,6 +12,10 @@ __all__ = [
     "ContextOverflowError",
     "ModelNotFoundError",
     "ModelLoadError",
+    "StoreError",
+    "CorruptFragmentError",
+    "MemoryNotFoundError",
+    "VersionConflictError",
 ]
 
 
@@ -36,3 +40,29 @@ class ModelNotFoundError(KVShiftError):
 
 class ModelLoadError(KVShiftError):
     """The model files were found but could not be loaded or converted."""
+
+
+class StoreError(KVShiftError):
+    """The memory store could not do what was asked (a backend refused, or the data is not sound)."""
+
+
+class CorruptFragmentError(StoreError):
+    """A stored fragment blob failed its checksum, format or shape check.
+
+    The store reports it and the fragment is re-encoded from the memory's text; no answer uses it.
+    """
+
+
+class MemoryNotFoundError(StoreError, KeyError):
+    """No live memory with that id for that tenant.
+
+    Raised alike whether the id does not exist or belongs to another tenant, so that an error
+    never tells one tenant what another holds.
+    """
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0]) if self.args else ""
+
+
+class VersionConflictError(StoreError):
+    """Another writer superseded or deleted the memory first; read it again and retry."""

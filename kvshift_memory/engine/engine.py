@@ -15,7 +15,7 @@ from ..exceptions import ContextOverflowError, InvalidInputError
 from ..kv.cache import ForwardStep, ShiftCache
 from ..kv.fragment import Fragment
 from ..kv.rope import rotate_
-from . import inputs
+from .. import inputs
 from .attention import ATTENTION_NAME
 from .blend import choose_recompute
 from .families import PositionScheme, position_scheme

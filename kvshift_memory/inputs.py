@@ -5,12 +5,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from ..exceptions import InvalidInputError
+from .exceptions import InvalidInputError
 
 __all__ = [
     "REUSE_MODES",
     "MAX_TEXT_CHARS",
     "check_continuation",
+    "check_identifier",
     "check_memories",
     "check_messages",
     "check_positive_int",
@@ -41,6 +42,21 @@ def check_text(text: Any, what: str, allow_empty: bool = False) -> str:
     except UnicodeEncodeError as exc:
         raise InvalidInputError(f"{what} is not valid Unicode text (lone surrogate at {exc.start})") from None
     return text
+
+
+def check_identifier(value: Any, name: str) -> str:
+    """A tenant, session or memory id: 1-256 printable characters.
+
+    :raises InvalidInputError: not a str, empty, too long, or holding control characters or
+        lone surrogates.
+    """
+    if not isinstance(value, str):
+        raise InvalidInputError(f"{name} must be a str, got {type(value).__name__}")
+    if not 0 < len(value) <= 256:
+        raise InvalidInputError(f"{name} must hold 1 to 256 characters, got {len(value)}")
+    if not value.isprintable():  # also refuses lone surrogates
+        raise InvalidInputError(f"{name} may only hold printable characters, got {value!r}")
+    return value
 
 
 def check_messages(messages: Any) -> list[dict[str, str]]:
