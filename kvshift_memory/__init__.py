@@ -1,32 +1,81 @@
 """kvshift-memory: agent memory whose recalled items bring their precomputed KV cache.
 
 The public surface is what ``__all__`` lists; everything else is private and may change.
+
+Names load on first use: ``from kvshift_memory import MemoryStore`` does not import torch (a
+process that only stores and searches memories never pays for the model stack).
 """
 
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from . import exceptions
-from .engine import EngineSettings, GenerationResult, GenerationStream, KVShiftEngine, ReuseStats, ScoreResult
 from .exceptions import (
     ContextOverflowError,
+    CorruptFragmentError,
     InvalidInputError,
     KVShiftError,
+    MemoryNotFoundError,
     ModelLoadError,
     ModelNotFoundError,
+    StoreError,
+    VersionConflictError,
 )
+
+if TYPE_CHECKING:
+    from .engine import EngineSettings, GenerationResult, GenerationStream, KVShiftEngine, ReuseStats, ScoreResult
+    from .store import CheckReport, GCReport, MemoryRecord, MemoryStore
 
 __version__ = "0.1.0"
 
+_LAZY = {
+    "EngineSettings": ".engine",
+    "GenerationResult": ".engine",
+    "GenerationStream": ".engine",
+    "KVShiftEngine": ".engine",
+    "ReuseStats": ".engine",
+    "ScoreResult": ".engine",
+    "CheckReport": ".store",
+    "GCReport": ".store",
+    "MemoryRecord": ".store",
+    "MemoryStore": ".store",
+}
+
 __all__ = [
+    "CheckReport",
     "ContextOverflowError",
+    "CorruptFragmentError",
     "EngineSettings",
+    "GCReport",
     "GenerationResult",
     "GenerationStream",
     "InvalidInputError",
     "KVShiftEngine",
     "KVShiftError",
+    "MemoryNotFoundError",
+    "MemoryRecord",
+    "MemoryStore",
     "ModelLoadError",
     "ModelNotFoundError",
     "ReuseStats",
     "ScoreResult",
+    "StoreError",
+    "VersionConflictError",
     "__version__",
     "exceptions",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

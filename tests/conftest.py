@@ -66,3 +66,62 @@ def bundled_engine():
 @pytest.fixture(scope="session")
 def tokenizer(bundled_engine):
     return bundled_engine.tokenizer
+
+
+@pytest.fixture(scope="session")
+def embedder():
+    """The bundled all-MiniLM-L6-v2 (real weights), shared by the store tests."""
+    from kvshift_memory.embedding import MiniLMEmbedder
+
+    return MiniLMEmbedder()
+
+
+@pytest.fixture(scope="session")
+def redis_url():
+    """A real redis-server on 127.0.0.1 and a free port, for the whole session."""
+    from redis_server import RedisServer
+
+    try:
+        server = RedisServer()
+    except RuntimeError as exc:
+        if os.environ.get("CI"):
+            raise  # CI installs redis-server: its absence there is a failure, not a skip
+        pytest.skip(str(exc))
+    yield server.url
+    server.stop()
+
+
+BACKENDS = ("memory", "disk", "redis")
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request):
+    return request.param
+
+
+@pytest.fixture
+def make_store(backend, tmp_path, embedder, request):
+    """Build stores on the parametrised backend (a test starts with an empty one)."""
+    from kvshift_memory.store import MemoryStore
+
+    made = []
+
+    def make(**options):
+        options.setdefault("embedder", embedder)
+        if backend == "memory":
+            store = MemoryStore(kv_url="memory://", index_url=":memory:", **options)
+        elif backend == "disk":
+            store = MemoryStore(tmp_path / f"store{len(made)}", **options)
+        else:
+            url = request.getfixturevalue("redis_url")
+            import redis
+
+            if not made:  # a fresh database per test; a second store in one test shares it
+                redis.Redis.from_url(url).flushdb()
+            store = MemoryStore(kv_url=url, index_url=":memory:", **options)
+        made.append(store)
+        return store
+
+    yield make
+    for store in made:
+        store.close()

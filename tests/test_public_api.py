@@ -4,17 +4,25 @@ import kvshift_memory
 from kvshift_memory import exceptions
 
 EXPECTED = {
+    "CheckReport",
     "ContextOverflowError",
+    "CorruptFragmentError",
     "EngineSettings",
+    "GCReport",
     "GenerationResult",
     "GenerationStream",
     "InvalidInputError",
     "KVShiftEngine",
     "KVShiftError",
+    "MemoryNotFoundError",
+    "MemoryRecord",
+    "MemoryStore",
     "ModelLoadError",
     "ModelNotFoundError",
     "ReuseStats",
     "ScoreResult",
+    "StoreError",
+    "VersionConflictError",
     "__version__",
     "exceptions",
 }
@@ -56,3 +64,27 @@ def test_every_data_file_in_the_package_ships_in_wheels():
             continue
         package = ".".join(path.parent.relative_to(root.parent).parts)
         assert any(fnmatch.fnmatch(path.name, pattern) for pattern in declared.get(package, [])), path
+
+
+def test_the_store_side_never_loads_torch():
+    """A process that only stores and searches memories must not pay for the model stack."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; from kvshift_memory import MemoryStore, MemoryRecord; import kvshift_memory.store; "
+        "import kvshift_memory.blobs; print('torch' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+def test_store_layer_imports_neither_torch_nor_the_engine():
+    """DESIGN §2: the store moves bytes and metadata; the default embedder is the only model it may load, lazily."""
+    import pathlib
+    import re
+
+    root = pathlib.Path(kvshift_memory.__file__).parent
+    pattern = re.compile(r"^\s*(import torch|from torch|from \.\.(engine|kv)\b|import transformers|from transformers)", re.M)
+    for path in [*(root / "store").rglob("*.py"), root / "blobs.py"]:
+        assert not pattern.search(path.read_text()), path

@@ -1,0 +1,105 @@
+"""Span markers: how a memory travels through a framework's flat prompt text (DESIGN §4).
+
+``⟦mem:ID@VERSION⟧text⟦/mem⟧`` says "this text is memory ID at VERSION; use its stored KV". The
+rules, which make markers safe to accept from any text (including a user's message):
+
+- a marker resolves only to a live memory of the caller's tenant (and session, when given) at
+  exactly that version, and only if the enclosed text hashes to that version's text hash;
+- everything else (another tenant's id, a wrong hash, nested, unterminated or malformed markers)
+  degrades to plain text, never to an error that loses the turn;
+- the model never sees a marker: every marker-shaped sequence is removed from the text.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from . import inputs
+from .exceptions import InvalidInputError
+from .store.records import MemoryRecord, text_hash
+
+__all__ = ["MarkedSpan", "parse_markers", "render_marker", "resolve_markers", "strip_markers"]
+
+_OPEN = re.compile(r"⟦mem:([^⟦⟧@\s]{1,256})@([1-9][0-9]{0,8})⟧")
+# anything marker-shaped, well-formed or not: none of it may reach the model
+_ANY_MARKER = re.compile(r"⟦/?mem\b[^⟦⟧]{0,300}⟧|⟦/?mem\b")
+
+
+@dataclass(frozen=True)
+class MarkedSpan:
+    """A piece of text, and the memory it claims to be (``None`` for plain text)."""
+
+    text: str
+    memory_id: str | None = None
+    version: int | None = None
+
+
+def render_marker(record: MemoryRecord) -> str:
+    """``record``'s text wrapped in its marker."""
+    return f"⟦mem:{record.id}@{record.version}⟧{record.text}⟦/mem⟧"
+
+
+def strip_markers(text: str) -> str:
+    """``text`` with every marker-shaped sequence removed."""
+    return _ANY_MARKER.sub("", text)
+
+
+def parse_markers(text: str) -> list[MarkedSpan]:
+    """Split ``text`` into plain pieces and well-formed, non-nested marked spans.
+
+    A marked span's text holds no marker; plain pieces have theirs stripped.
+    """
+    text = inputs.check_text(text, "text", allow_empty=True)
+    spans: list[MarkedSpan] = []
+    plain_start = 0
+    position = 0
+    while True:
+        opening = _OPEN.search(text, position)
+        if opening is None:
+            break
+        close = text.find("⟦/mem⟧", opening.end())
+        inner = text[opening.end() : close] if close >= 0 else ""
+        if close < 0 or _ANY_MARKER.search(inner):  # unterminated or nested: not a span
+            position = opening.end()
+            continue
+        spans.append(MarkedSpan(strip_markers(text[plain_start : opening.start()])))
+        spans.append(MarkedSpan(inner, opening.group(1), int(opening.group(2))))
+        plain_start = position = close + len("⟦/mem⟧")
+    spans.append(MarkedSpan(strip_markers(text[plain_start:])))
+    return [span for span in spans if span.text or span.memory_id is not None]
+
+
+def resolve_markers(text: str, store: Any, *, tenant: str, session_id: str | None = None) -> list[str | MemoryRecord]:
+    """Plain text pieces and the memory records the markers in ``text`` rightly name.
+
+    :param store: a :class:`MemoryStore`; ids are looked up with ``store.get(id, tenant=tenant)``,
+        so only the caller's own memories can ever resolve.
+    :returns: strings (plain text, markers removed) and records, in order.
+    :raises InvalidInputError: ``text`` or ``tenant`` is not valid text.
+    """
+    tenant = inputs.check_identifier(tenant, "tenant")
+    out: list[str | MemoryRecord] = []
+    for span in parse_markers(text):
+        record = None
+        if span.memory_id is not None:
+            try:
+                record = store.get(span.memory_id, tenant=tenant)
+            except InvalidInputError:  # an id no memory could have
+                record = None
+            if not (
+                isinstance(record, MemoryRecord)
+                and record.tenant == tenant
+                and (session_id is None or record.session_id == session_id)
+                and record.version == span.version
+                and record.source_text_hash == text_hash(span.text)
+            ):
+                record = None
+        if record is not None:
+            out.append(record)
+        elif out and isinstance(out[-1], str):
+            out[-1] += span.text
+        elif span.text:
+            out.append(span.text)
+    return out

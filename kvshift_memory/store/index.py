@@ -1,0 +1,299 @@
+"""The vector index: Qdrant, derived from the records in the KV tier and kept in step through its log.
+
+Records (with their vectors) live in the KV tier; the index only maps vectors to memory ids so a
+search can find them. Every write to a memory first appends ``(tenant, id)`` to the tier's change
+log; :meth:`QdrantIndex.sync` replays the log from where this index stopped, making each named
+memory's point match its current state (live version: upserted; superseded version, deletion:
+removed). Replaying is idempotent, so a crash anywhere leaves an index that the next sync repairs,
+and an add never waits for the index.
+
+Locations:
+
+- a folder (the embedded default): ``QdrantClient(path=...)``. Qdrant's local mode lets one
+  client at a time open a folder, so this index opens it for one sync-and-search under an
+  inter-process file lock and closes it after; processes sharing a store folder take turns.
+- ``http(s)://…``: a Qdrant server, for many processes and machines (DESIGN §8).
+- ``:memory:``: a process-local index, rebuilt from the log on first use.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import time
+import uuid
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+
+from filelock import FileLock
+
+from ..exceptions import StoreError
+
+__all__ = ["IndexHit", "QdrantIndex"]
+
+COLLECTION = "kvshift_memories"
+_STATE_COLLECTION = "kvshift_sync_state"
+_STATE_POINT = str(uuid.UUID(int=1))
+# An entry whose memory has no head yet is an add in flight (intent logged, head not written);
+# after this long it is an add that was killed, and nothing was stored.
+_PENDING_GRACE_S = 60.0
+
+
+@dataclass(frozen=True)
+class IndexHit:
+    tenant: str
+    memory_id: str
+    version: int
+    score: float
+
+
+@dataclass(frozen=True)
+class IndexedState:
+    """What a memory's point should be after a sync: ``None`` vector means "no point"."""
+
+    version: int
+    session_id: str | None
+    vector: Sequence[float] | None
+
+
+def point_id(tenant: str, memory_id: str) -> str:
+    return str(uuid.uuid5(uuid.NAMESPACE_URL, f"kvshift:{len(tenant)}:{tenant}:{memory_id}"))
+
+
+class QdrantIndex:
+    """A Qdrant collection of one vector per live memory, with tenant and session payload.
+
+    :param location: a folder, an ``http(s)://`` URL or ``":memory:"``.
+    :param dimension: the embedder's vector size; ``embedder_name`` is recorded and checked so
+        vectors of two different embedders are never compared.
+    :raises StoreError: the location cannot be opened, or holds vectors of another embedder.
+    """
+
+    def __init__(self, location: str | os.PathLike, dimension: int, embedder_name: str) -> None:
+        self.location = os.fspath(location)
+        self.dimension = dimension
+        self.embedder_name = embedder_name
+        self._remote = self.location.startswith(("http://", "https://"))
+        self._in_process = self.location == ":memory:"
+        self._client = None
+        self._lock = None
+        if not (self._remote or self._in_process):
+            os.makedirs(self.location, exist_ok=True)
+            self._lock = FileLock(os.path.join(self.location, ".kvshift.lock"))
+
+    # ---------------------------------------------------------------- sessions
+
+    @contextlib.contextmanager
+    def _session(self) -> Iterator:
+        """A client for one operation: for a folder, opened under the file lock and closed after."""
+        from qdrant_client import QdrantClient
+
+        if self._lock is None:
+            if self._client is None:
+                try:
+                    self._client = QdrantClient(url=self.location) if self._remote else QdrantClient(":memory:")
+                except Exception as exc:  # qdrant-client raises many types for one "cannot connect"
+                    raise StoreError(f"cannot open the Qdrant index at {self.location}: {exc}") from exc
+                self._ensure_collections(self._client)
+            yield self._client
+            return
+        with self._lock:
+            try:
+                client = QdrantClient(path=self.location)
+            except Exception as exc:
+                raise StoreError(f"cannot open the Qdrant index folder {self.location}: {exc}") from exc
+            try:
+                self._ensure_collections(client)
+                yield client
+            finally:
+                client.close()
+
+    def _ensure_collections(self, client) -> None:
+        from qdrant_client import models
+
+        if not client.collection_exists(COLLECTION):
+            client.create_collection(
+                COLLECTION,
+                vectors_config=models.VectorParams(size=self.dimension, distance=models.Distance.COSINE),
+                metadata={"embedder": self.embedder_name},
+            )
+            if self._remote:  # local mode filters without payload indexes (and warns about them)
+                client.create_payload_index(COLLECTION, "tenant", models.PayloadSchemaType.KEYWORD)
+                client.create_payload_index(COLLECTION, "session_id", models.PayloadSchemaType.KEYWORD)
+        else:
+            info = client.get_collection(COLLECTION)
+            size = info.config.params.vectors.size
+            embedder = (info.config.metadata or {}).get("embedder")
+            if size != self.dimension or (embedder is not None and embedder != self.embedder_name):
+                raise StoreError(
+                    f"the index at {self.location} holds {size}-d vectors of {embedder!r}; "
+                    f"this store embeds with {self.embedder_name!r} ({self.dimension}-d)"
+                )
+        if not client.collection_exists(_STATE_COLLECTION):
+            client.create_collection(
+                _STATE_COLLECTION, vectors_config=models.VectorParams(size=1, distance=models.Distance.DOT)
+            )
+
+    # ---------------------------------------------------------------- sync and search
+
+    def search(
+        self,
+        vector: Sequence[float],
+        tenant: str,
+        session_id: str | None,
+        limit: int,
+        read_log: Callable[[int], list[bytes]],
+        state_of: Callable[[str, str], IndexedState | None],
+    ) -> list[IndexHit]:
+        """Bring the index up to date with the log, then the ``limit`` nearest memories of ``tenant``.
+
+        The tenant (and session, when given) filter is part of the query itself: another
+        tenant's points are never candidates.
+        """
+        from qdrant_client import models
+
+        conditions = [models.FieldCondition(key="tenant", match=models.MatchValue(value=tenant))]
+        if session_id is not None:
+            conditions.append(models.FieldCondition(key="session_id", match=models.MatchValue(value=session_id)))
+        with self._session() as client:
+            self._sync(client, read_log, state_of)
+            points = client.query_points(
+                COLLECTION, query=list(vector), query_filter=models.Filter(must=conditions), limit=limit, with_payload=True
+            ).points
+        hits = []
+        for point in points:
+            payload = point.payload or {}
+            if payload.get("tenant") != tenant:  # the filter already did this; a forged point cannot pass either
+                continue
+            hits.append(IndexHit(tenant, str(payload.get("memory_id")), int(payload.get("version", 0)), float(point.score)))
+        return hits
+
+    def sync(self, read_log: Callable[[int], list[bytes]], state_of: Callable[[str, str], IndexedState | None]) -> int:
+        """Replay the log; returns how many memories were reconciled."""
+        with self._session() as client:
+            return self._sync(client, read_log, state_of)
+
+    def rebuild(self, memories: Iterator[tuple[str, str]], state_of: Callable[[str, str], IndexedState | None]) -> int:
+        """Reconcile every given memory and drop points of memories not among them (``check()``)."""
+        from qdrant_client import models
+
+        with self._session() as client:
+            wanted = set()
+            with _Batch(client) as batch:
+                for tenant, memory_id in memories:
+                    wanted.add(point_id(tenant, memory_id))
+                    self._reconcile(batch, tenant, memory_id, state_of)
+            stray, offset = [], None
+            while True:
+                points, offset = client.scroll(COLLECTION, limit=1000, offset=offset, with_payload=False)
+                stray.extend(str(p.id) for p in points if str(p.id) not in wanted)
+                if offset is None:
+                    break
+            if stray:
+                client.delete(COLLECTION, points_selector=models.PointIdsList(points=stray))
+            return len(stray)
+
+    def count(self) -> int:
+        with self._session() as client:
+            return int(client.count(COLLECTION).count)
+
+    def _sync(self, client, read_log, state_of) -> int:
+        from qdrant_client import models
+
+        state = self._read_state(client)
+        entries = read_log(state["applied"])
+        todo = [(entry["tenant"], entry["id"], entry.get("at", 0.0)) for entry in state["pending"]]
+        for raw in entries:
+            try:
+                entry = json.loads(raw)
+                todo.append((str(entry["tenant"]), str(entry["id"]), time.time()))
+            except (ValueError, KeyError, TypeError):
+                continue  # a damaged log entry names nothing; check() rebuilds from the records
+        first_seen: dict[tuple[str, str], float] = {}
+        for tenant, memory_id, seen_at in todo:
+            first_seen.setdefault((tenant, memory_id), seen_at)
+        pending = []
+        with _Batch(client) as batch:
+            for (tenant, memory_id), seen_at in first_seen.items():
+                if not self._reconcile(batch, tenant, memory_id, state_of) and time.time() - seen_at < _PENDING_GRACE_S:
+                    pending.append({"tenant": tenant, "id": memory_id, "at": seen_at})
+        if entries or pending != state["pending"]:
+            new_state = {"applied": state["applied"] + len(entries), "pending": pending}
+            client.upsert(
+                _STATE_COLLECTION,
+                points=[models.PointStruct(id=_STATE_POINT, vector=[1.0], payload={"state": json.dumps(new_state)})],
+            )
+        return len(first_seen)
+
+    @staticmethod
+    def _reconcile(batch: _Batch, tenant: str, memory_id: str, state_of) -> bool:
+        """Make this memory's point match its state; ``False`` when it has no state yet (add in flight)."""
+        state = state_of(tenant, memory_id)
+        if state is None:
+            return False
+        pid = point_id(tenant, memory_id)
+        if state.vector is None:
+            batch.delete(pid)
+        else:
+            payload = {"tenant": tenant, "memory_id": memory_id, "version": state.version, "session_id": state.session_id}
+            batch.upsert(pid, list(state.vector), payload)
+        return True
+
+    @staticmethod
+    def _read_state(client) -> dict:
+        found = client.retrieve(_STATE_COLLECTION, ids=[_STATE_POINT], with_payload=True)
+        if not found:
+            return {"applied": 0, "pending": []}
+        try:
+            state = json.loads(found[0].payload["state"])
+            return {"applied": int(state["applied"]), "pending": list(state["pending"])}
+        except (ValueError, KeyError, TypeError):
+            return {"applied": 0, "pending": []}  # replaying the whole log is always correct
+
+    def close(self) -> None:
+        if self._client is not None:
+            self._client.close()
+            self._client = None
+
+
+class _Batch:
+    """Point writes gathered and sent a few hundred at a time (one call per point is slow in local mode).
+
+    A point both deleted and upserted in one batch ends as the last write said: each write
+    replaces the pending one of its point.
+    """
+
+    _SIZE = 256
+
+    def __init__(self, client) -> None:
+        self._client = client
+        self._writes: dict[str, tuple | None] = {}
+
+    def upsert(self, pid: str, vector: list[float], payload: dict) -> None:
+        self._writes[pid] = (vector, payload)
+        if len(self._writes) >= self._SIZE:
+            self.flush()
+
+    def delete(self, pid: str) -> None:
+        self._writes[pid] = None
+        if len(self._writes) >= self._SIZE:
+            self.flush()
+
+    def flush(self) -> None:
+        from qdrant_client import models
+
+        upserts = [models.PointStruct(id=pid, vector=w[0], payload=w[1]) for pid, w in self._writes.items() if w]
+        deletes = [pid for pid, write in self._writes.items() if write is None]
+        if upserts:
+            self._client.upsert(COLLECTION, points=upserts)
+        if deletes:
+            self._client.delete(COLLECTION, points_selector=models.PointIdsList(points=deletes))
+        self._writes.clear()
+
+    def __enter__(self) -> _Batch:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if exc[0] is None:
+            self.flush()

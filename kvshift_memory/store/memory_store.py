@@ -1,0 +1,670 @@
+"""``MemoryStore``: memory texts, their versions and their KV fragments, on a tier and an index.
+
+Layout in the KV tier (every key component percent-encoded; ``t`` tenant, ``m`` memory id):
+
+===================  ====================================================================
+``h/t/m``            the head: current version, and whether the memory was deleted
+``r/t/m/v``          version ``v``'s record (JSON; immutable once written)
+``e/t/m/v``          version ``v``'s embedding (float32, little-endian)
+``f/t/m/v/variant``  a KV fragment blob of version ``v`` (one per model and codec: ``variant``)
+``x/t/hash``         the memory id of a text hash (the design's second path: text -> fragment)
+``ac/t/m``           access count; ``al/t/m``: last access time
+``log``              the change log the index replays
+===================  ====================================================================
+
+Writes go data first, head last: a reader that finds a head always finds its record, and data
+without a head is garbage :meth:`MemoryStore.gc` collects. The head moves only by
+compare-and-set, so two writers can never both supersede the same version. Nothing here holds a
+lock across processes (DESIGN §8), and nothing imports torch: the store moves bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import re
+import struct
+import threading
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+from urllib.parse import quote, unquote
+
+from .. import inputs
+from ..blobs import CODECS, read_header, verify_blob
+from ..exceptions import CorruptFragmentError, InvalidInputError, MemoryNotFoundError, StoreError, VersionConflictError
+from .index import IndexedState, QdrantIndex
+from .records import MemoryRecord, text_hash
+from .tiers import BLOB_PREFIX, HotTier, KVTier, open_tier
+
+__all__ = ["CheckReport", "GCReport", "MemoryStore"]
+
+logger = logging.getLogger("kvshift_memory.store")
+
+_LOG = "log"
+_VARIANT = re.compile(r"[0-9a-f]{8,64}")
+# Data without a head younger than this may be an add in progress in another process.
+_ORPHAN_GRACE_S = 60.0
+MAX_SEARCH_K = 1000
+
+
+@dataclass
+class CheckReport:
+    """What :meth:`MemoryStore.check` found.
+
+    :param ok: no problem left unrepaired.
+    :param problems: every problem found, repaired or not.
+    :param repaired: the problems that were repaired (corrupt fragments dropped to be re-encoded
+        from text, index points rebuilt).
+    """
+
+    ok: bool
+    memories: int
+    fragments: int
+    problems: list[str] = field(default_factory=list)
+    repaired: list[str] = field(default_factory=list)
+
+
+@dataclass
+class GCReport:
+    """What :meth:`MemoryStore.gc` freed."""
+
+    erased_memories: int = 0
+    freed_fragments: int = 0
+    freed_bytes: int = 0
+    freed_keys: int = 0
+
+
+def _k(*parts: Any) -> str:
+    return "/".join(quote(str(p), safe="") for p in parts)
+
+
+def _split(key: str) -> list[str]:
+    return [unquote(p) for p in key.split("/")]
+
+
+class MemoryStore:
+    """Memories of many tenants: texts, versions, an index to find them, and their KV fragments.
+
+    ``MemoryStore(path)`` keeps everything in one folder (a ``diskcache`` tier and a local Qdrant
+    index). ``MemoryStore(kv_url="redis://…", index_url="http://…")`` shares one memory between
+    processes and machines; without ``index_url`` the index is rebuilt in each process from the
+    tier's log.
+
+    :param path: folder of the embedded store (``path/kv`` and ``path/index``).
+    :param kv_url: ``memory://``, ``redis://…``, a folder or ``file://…`` (default ``path/kv``).
+    :param index_url: a folder, ``http(s)://…`` or ``":memory:"`` (default ``path/index``).
+    :param embedder: text -> vector (default: the bundled all-MiniLM-L6-v2, loaded on first use).
+    :param codec: how fragments are stored: ``int8`` (default, see the README's store benchmark),
+        ``int4``, ``fp16`` or ``fp32``; ``group_size`` is int4's.
+    :param hot_bytes: bound on the fragment blobs this process keeps in RAM in front of the tier.
+    :raises InvalidInputError: bad arguments; ``StoreError``: a backend cannot be opened.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike | None = None,
+        *,
+        kv_url: str | None = None,
+        index_url: str | None = None,
+        embedder: Any = None,
+        codec: str = "int8",
+        group_size: int = 32,
+        hot_bytes: int = 256 << 20,
+    ) -> None:
+        if path is None and kv_url is None:
+            raise InvalidInputError("give a folder (MemoryStore(path)) or a kv_url")
+        if path is not None and not isinstance(path, (str, os.PathLike)):
+            raise InvalidInputError(f"path must be a folder path, got {type(path).__name__}")
+        if codec not in CODECS:
+            raise InvalidInputError(f"codec must be one of {CODECS}, got {codec!r}")
+        if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 2 or group_size % 2:
+            raise InvalidInputError(f"group_size must be an even int >= 2, got {group_size!r}")
+        inputs.check_non_negative_int(hot_bytes, "hot_bytes")
+        self.codec, self.group_size = codec, group_size
+        if path is not None:
+            Path(path).mkdir(parents=True, exist_ok=True)
+        self.tier: KVTier = open_tier(kv_url if kv_url is not None else Path(path) / "kv")
+        self._hot = HotTier(hot_bytes)
+        if embedder is None:
+            from ..embedding import MiniLMEmbedder  # torch-backed, so only when no embedder is given
+
+            embedder = MiniLMEmbedder()
+        self.embedder = embedder
+        location = index_url if index_url is not None else (Path(path) / "index" if path is not None else ":memory:")
+        self.index = QdrantIndex(location, int(embedder.dimension), str(embedder.name))
+        self._index_lock = threading.Lock()
+        self.corrupt_fragments = 0
+
+    # ---------------------------------------------------------------- public API
+
+    def add(
+        self,
+        text: str,
+        *,
+        tenant: str,
+        session_id: str | None = None,
+        importance_score: float = 0.5,
+        semantic_keywords: Sequence[str] = (),
+        ttl_s: float | None = None,
+    ) -> MemoryRecord:
+        """Store a new memory (version 1). When this returns, the memory is durable.
+
+        :raises InvalidInputError: empty or over-long text, invalid Unicode, bad ids or scores.
+        :raises StoreError: the tier refused the write.
+        """
+        tenant, session_id = self._ids(tenant, session_id)
+        text = inputs.check_text(text, "text")
+        importance_score = inputs.check_ratio(importance_score, "importance_score")
+        keywords = _check_keywords(semantic_keywords)
+        now = time.time()
+        record = MemoryRecord(
+            id=uuid.uuid4().hex,
+            version=1,
+            text=text,
+            tenant=tenant,
+            session_id=session_id,
+            created_at=now,
+            source_text_hash=text_hash(text),
+            importance_score=importance_score,
+            semantic_keywords=keywords,
+            expires_at=_expiry(ttl_s, now),
+        )
+        self._write_version(record, expected_head=None)
+        return replace(record, fragment_source=self)
+
+    def get(self, memory_id: str, *, tenant: str) -> MemoryRecord | None:
+        """The live version of a memory of ``tenant``, or ``None`` (also for another tenant's id).
+
+        :raises InvalidInputError: ids that are not valid identifiers.
+        """
+        tenant, _ = self._ids(tenant, None)
+        memory_id = inputs.check_identifier(memory_id, "memory_id")
+        record = self._live(tenant, memory_id)
+        if record is None:
+            return None
+        return self._touch(record)
+
+    def search(self, query: str, *, tenant: str, session_id: str | None = None, k: int = 4) -> list[MemoryRecord]:
+        """The ``k`` live memories of ``tenant`` (and ``session_id``, when given) nearest ``query``.
+
+        :returns: records, best first, each with ``score`` (cosine similarity).
+        :raises InvalidInputError: empty query, bad ids, ``k`` outside 1..1000.
+        """
+        tenant, session_id = self._ids(tenant, session_id)
+        query = inputs.check_text(query, "query")
+        k = inputs.check_positive_int(k, "k")
+        if k > MAX_SEARCH_K:
+            raise InvalidInputError(f"k must be at most {MAX_SEARCH_K}, got {k}")
+        vector = self.embedder.embed([query])[0]
+        # a few extra candidates: expired memories stay indexed until gc() and are skipped here
+        with self._index_lock:
+            hits = self.index.search(vector, tenant, session_id, k + 16, self._read_log, self._index_state)
+        found = []
+        for hit in hits:
+            record = self._live(tenant, hit.memory_id)
+            if record is None or (session_id is not None and record.session_id != session_id):
+                continue
+            found.append(replace(self._touch(record), score=hit.score))
+            if len(found) == k:
+                break
+        return found
+
+    def supersede(self, memory_id: str, new_text: str, *, tenant: str) -> MemoryRecord:
+        """Replace a memory's text by a new version; the old one stays in :meth:`history`.
+
+        :returns: the new record: same id, version + 1.
+        :raises MemoryNotFoundError: no live memory with that id for ``tenant``.
+        :raises VersionConflictError: another writer changed it first.
+        :raises InvalidInputError: bad text or ids.
+        """
+        tenant, _ = self._ids(tenant, None)
+        memory_id = inputs.check_identifier(memory_id, "memory_id")
+        new_text = inputs.check_text(new_text, "new_text")
+        old = self._live(tenant, memory_id)
+        if old is None:
+            raise MemoryNotFoundError(f"no live memory {memory_id!r} for tenant {tenant!r}")
+        record = replace(
+            old,
+            version=old.version + 1,
+            text=new_text,
+            source_text_hash=text_hash(new_text),
+            created_at=time.time(),
+            status="live",
+            score=None,
+            fragment_source=None,
+        )
+        self._write_version(record, expected_head=_head(old.version))
+        return replace(record, fragment_source=self)
+
+    def delete(self, memory_id: str, *, tenant: str) -> bool:
+        """Delete a memory (every version): it is never returned again, and :meth:`gc` erases its data.
+
+        :returns: ``False`` when there was no live memory with that id for ``tenant``.
+        :raises VersionConflictError: another writer changed it at the same moment.
+        """
+        tenant, _ = self._ids(tenant, None)
+        memory_id = inputs.check_identifier(memory_id, "memory_id")
+        raw = self.tier.get(_k("h", tenant, memory_id))
+        head = _parse_head(raw)
+        if head is None or head["deleted"]:
+            return False
+        self.tier.append(_LOG, _log_entry(tenant, memory_id))
+        if not self.tier.compare_and_set(_k("h", tenant, memory_id), raw, _head(head["v"], deleted=True)):
+            raise VersionConflictError(f"memory {memory_id!r} changed while being deleted; try again")
+        return True
+
+    def history(self, memory_id: str, *, tenant: str) -> list[MemoryRecord]:
+        """Every version of a live memory, oldest first (the last one is live).
+
+        :raises MemoryNotFoundError: no live memory with that id for ``tenant``.
+        """
+        tenant, _ = self._ids(tenant, None)
+        memory_id = inputs.check_identifier(memory_id, "memory_id")
+        live = self._live(tenant, memory_id)
+        if live is None:
+            raise MemoryNotFoundError(f"no live memory {memory_id!r} for tenant {tenant!r}")
+        versions = []
+        for version in range(1, live.version):
+            record = self._read_record(tenant, memory_id, version)
+            if record is not None:
+                versions.append(replace(record, status="superseded", fragment_source=self))
+        return [*versions, live]
+
+    def find_by_hash(self, source_text_hash: str, *, tenant: str) -> MemoryRecord | None:
+        """The live memory of ``tenant`` whose text has this hash (the path text -> fragment), or ``None``."""
+        tenant, _ = self._ids(tenant, None)
+        if not isinstance(source_text_hash, str) or not re.fullmatch(r"[0-9a-f]{64}", source_text_hash):
+            raise InvalidInputError("source_text_hash must be 64 lowercase hex characters")
+        raw = self.tier.get(_k("x", tenant, source_text_hash))
+        if raw is None:
+            return None
+        record = self._live(tenant, raw.decode("utf-8", "replace"))
+        return record if record is not None and record.source_text_hash == source_text_hash else None
+
+    def gc(self, *, keep_model_fingerprint: str | None = None) -> GCReport:
+        """Free what no live memory uses.
+
+        Erases deleted and expired memories (text, vectors, fragments), fragments and vectors of
+        superseded versions (their text stays, for :meth:`history`), data an interrupted add
+        left without a head, and, when ``keep_model_fingerprint`` is given, fragments of other
+        models (stale: they would never be used again).
+        """
+        report = GCReport()
+        now = time.time()
+        heads: dict[tuple[str, str], dict | None] = {}
+        for key in list(self.tier.scan("h/")):
+            parts = _split(key)
+            if len(parts) == 3:
+                heads[(parts[1], parts[2])] = _parse_head(self.tier.get(key))
+        for (tenant, memory_id), head in heads.items():
+            if head is None or head.get("erased"):
+                continue
+            live = None if head["deleted"] else self._read_record(tenant, memory_id, head["v"])
+            if head["deleted"] or (live is not None and live.is_expired(now)):
+                self._erase(tenant, memory_id, head, report)
+        for prefix in ("r/", "e/", BLOB_PREFIX):
+            for key in list(self.tier.scan(prefix)):
+                parts = _split(key)
+                if len(parts) < 4 or not parts[3].isdigit():
+                    self._free(key, report)
+                    continue
+                tenant, memory_id, version = parts[1], parts[2], int(parts[3])
+                head = heads.get((tenant, memory_id))
+                if head is None:
+                    if self._orphan_is_old(tenant, memory_id, now):
+                        self._free(key, report)
+                elif head.get("erased") or head["deleted"]:
+                    self._free(key, report)
+                elif prefix != "r/" and version != head["v"]:
+                    self._free(key, report)
+                elif prefix == BLOB_PREFIX and keep_model_fingerprint is not None:
+                    raw = self.tier.get(key)
+                    if raw is not None and _blob_fingerprint(raw) != keep_model_fingerprint:
+                        self._free(key, report)
+        return report
+
+    def check(self) -> CheckReport:
+        """Verify every live memory and fragment, repair what can be rebuilt, and say what was found.
+
+        Corrupt fragment blobs are dropped (they are re-encoded from text on next use); the index
+        is reconciled with the records. A live memory whose record is missing or damaged cannot
+        be rebuilt and makes ``ok`` false.
+        """
+        report = CheckReport(ok=True, memories=0, fragments=0)
+        live_ids = []
+        for key in list(self.tier.scan("h/")):
+            parts = _split(key)
+            head = _parse_head(self.tier.get(key))
+            if len(parts) != 3 or head is None:
+                report.problems.append(f"unreadable head {key!r}")
+                report.ok = False
+                continue
+            tenant, memory_id = parts[1], parts[2]
+            live_ids.append((tenant, memory_id))
+            if head["deleted"]:
+                continue
+            report.memories += 1
+            try:
+                record = MemoryRecord.from_json(self.tier.get(_k("r", tenant, memory_id, head["v"])) or b"")
+            except StoreError as exc:
+                report.problems.append(f"memory {memory_id} of {tenant!r}: {exc}")
+                report.ok = False
+                continue
+            if record.id != memory_id or record.tenant != tenant or record.version != head["v"]:
+                report.problems.append(f"memory {memory_id} of {tenant!r}: record names {record.tenant}/{record.id}")
+                report.ok = False
+            if _unpack_vector(self.tier.get(_k("e", tenant, memory_id, head["v"])), self.index.dimension) is None:
+                problem = f"memory {memory_id} of {tenant!r}: embedding missing or damaged"
+                report.problems.append(problem)
+                self.tier.set(_k("e", tenant, memory_id, head["v"]), _pack_vector(self.embedder.embed([record.text])[0]))
+                report.repaired.append(problem)
+        for key in list(self.tier.scan(BLOB_PREFIX)):
+            parts = _split(key)
+            report.fragments += 1
+            raw = self.tier.get(key)
+            try:
+                metadata = verify_blob(raw or b"")
+                if len(parts) != 5 or (metadata.get("tenant"), metadata.get("memory_id"), metadata.get("version")) != (
+                    parts[1],
+                    parts[2],
+                    parts[3],
+                ):
+                    raise CorruptFragmentError("blob is stored under another memory's key")
+            except CorruptFragmentError as exc:
+                problem = f"fragment {key!r}: {exc}"
+                report.problems.append(problem)
+                self.tier.delete(key)
+                self._hot.delete(key)
+                report.repaired.append(f"{problem} (dropped; re-encoded from text on next use)")
+        with self._index_lock:
+            strays = self.index.rebuild(iter(live_ids), self._index_state)
+            self.index.sync(self._read_log, self._index_state)
+        if strays:
+            report.problems.append(f"index held {strays} points of no memory")
+            report.repaired.append(f"removed {strays} stray index points")
+        return report
+
+    def stats(self, *, model_fingerprint: str | None = None) -> dict[str, Any]:
+        """Counts and sizes: memories (live, superseded versions, deleted), fragments and their
+        bytes per codec, and with ``model_fingerprint`` how many fragments are stale (another model's)."""
+        out: dict[str, Any] = {
+            "kv_url": self.tier.url,
+            "index": self.index.location,
+            "codec": self.codec if self.codec != "int4" else f"int4-g{self.group_size}",
+            "memories": 0,
+            "deleted": 0,
+            "versions": 0,
+            "fragments": 0,
+            "fragment_bytes": 0,
+            "fragments_by_codec": {},
+            "corrupt_fragments_seen": self.corrupt_fragments,
+        }
+        for key in self.tier.scan("h/"):
+            head = _parse_head(self.tier.get(key))
+            if head is None:
+                continue
+            out["deleted" if head["deleted"] else "memories"] += 1
+            out["versions"] += head["v"]
+        if model_fingerprint is not None:
+            out["stale_fragments"] = 0
+        for key in self.tier.scan(BLOB_PREFIX):
+            raw = self.tier.get(key)
+            if raw is None:
+                continue
+            out["fragments"] += 1
+            out["fragment_bytes"] += len(raw)
+            try:
+                metadata = read_header(raw)[1]  # counting needs the header only; check() verifies
+            except CorruptFragmentError:
+                continue
+            codec = metadata.get("codec", "?")
+            out["fragments_by_codec"][codec] = out["fragments_by_codec"].get(codec, 0) + 1
+            if model_fingerprint is not None and metadata.get("model_fingerprint") != model_fingerprint:
+                out["stale_fragments"] += 1
+        return out
+
+    def clear_cache(self) -> None:
+        """Forget the fragment blobs held in this process's RAM (measurements start cold with this)."""
+        self._hot.clear()
+
+    def close(self) -> None:
+        self.index.close()
+        self.tier.close()
+
+    def __enter__(self) -> MemoryStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---------------------------------------------------------------- fragments (used by the engine)
+
+    def fragment_expectations(self, record: MemoryRecord) -> dict[str, str]:
+        """Metadata a fragment blob of ``record`` must carry (the engine adds the model's)."""
+        return {
+            "tenant": record.tenant,
+            "memory_id": record.id,
+            "version": str(record.version),
+            "source_text_hash": record.source_text_hash,
+        }
+
+    def load_fragment(self, record: MemoryRecord, variant: str) -> bytes | None:
+        """The stored fragment blob of ``record`` for ``variant`` (a model + codec), or ``None``.
+
+        Served only for a record that is live in this store under its tenant and whose text
+        matches the stored text: a record object made up by a caller gets nothing.
+        """
+        key = self._fragment_key(record, variant)
+        if key is None:
+            return None
+        blob = self._hot.get(key)
+        if blob is None:
+            blob = self.tier.get(key)
+            if blob is not None:
+                self._hot.set(key, blob)
+        return blob
+
+    def has_fragment(self, record: MemoryRecord, variant: str) -> bool:
+        """Whether a blob of ``record`` for ``variant`` is stored (without reading it)."""
+        key = self._fragment_key(record, variant)
+        return key is not None and (self._hot.contains(key) or self.tier.contains(key))
+
+    def save_fragment(self, record: MemoryRecord, variant: str, blob: bytes) -> bool:
+        """Keep a fragment blob for ``record``; ``False`` (nothing written) unless the record is live here."""
+        if not isinstance(blob, (bytes, bytearray)):
+            raise InvalidInputError(f"a fragment blob is bytes, got {type(blob).__name__}")
+        key = self._fragment_key(record, variant)
+        if key is None:
+            return False
+        self.tier.set(key, bytes(blob))
+        self._hot.set(key, bytes(blob))
+        return True
+
+    def discard_fragment(self, record: MemoryRecord, variant: str, reason: str) -> None:
+        """Drop a blob that failed its checks; it is re-encoded from text by whoever needs it next."""
+        key = self._fragment_key(record, variant)
+        if key is None:
+            return
+        self.corrupt_fragments += 1
+        logger.warning("dropping corrupt fragment %s: %s", key, reason)
+        self._hot.delete(key)
+        self.tier.delete(key)
+
+    def _fragment_key(self, record: Any, variant: str) -> str | None:
+        if not isinstance(record, MemoryRecord) or not isinstance(variant, str) or not _VARIANT.fullmatch(variant):
+            return None
+        live = self._live(record.tenant, record.id)
+        if live is None or live.version != record.version or live.source_text_hash != text_hash(record.text):
+            return None
+        return _k("f", record.tenant, record.id, record.version, variant)
+
+    # ---------------------------------------------------------------- internals
+
+    @staticmethod
+    def _ids(tenant: Any, session_id: Any) -> tuple[str, str | None]:
+        tenant = inputs.check_identifier(tenant, "tenant")
+        if session_id is not None:
+            session_id = inputs.check_identifier(session_id, "session_id")
+        return tenant, session_id
+
+    def _write_version(self, record: MemoryRecord, expected_head: bytes | None) -> None:
+        """Data first (embedding, record, log intent, text hash), head last, by compare-and-set."""
+        tenant, memory_id, version = record.tenant, record.id, record.version
+        vector = self.embedder.embed([record.text])[0]
+        if len(vector) != self.index.dimension:
+            raise StoreError(f"the embedder returned {len(vector)} dimensions, not {self.index.dimension}")
+        self.tier.set(_k("e", tenant, memory_id, version), _pack_vector(vector))
+        self.tier.set(_k("r", tenant, memory_id, version), record.to_json())
+        self.tier.append(_LOG, _log_entry(tenant, memory_id))
+        self.tier.set(_k("x", tenant, record.source_text_hash), memory_id.encode())
+        if not self.tier.compare_and_set(_k("h", tenant, memory_id), expected_head, _head(version)):
+            raise VersionConflictError(f"memory {memory_id!r} changed while being written; read it again")
+
+    def _read_record(self, tenant: str, memory_id: str, version: int) -> MemoryRecord | None:
+        raw = self.tier.get(_k("r", tenant, memory_id, version))
+        if raw is None:
+            return None
+        try:
+            record = MemoryRecord.from_json(raw)
+        except StoreError as exc:
+            logger.warning("unreadable record %s@%s of %r: %s", memory_id, version, tenant, exc)
+            return None
+        if (record.tenant, record.id, record.version) != (tenant, memory_id, version):
+            logger.warning("record under %s@%s of %r names another memory", memory_id, version, tenant)
+            return None
+        return record
+
+    def _live(self, tenant: str, memory_id: str) -> MemoryRecord | None:
+        head = _parse_head(self.tier.get(_k("h", tenant, memory_id)))
+        if head is None or head["deleted"]:
+            return None
+        record = self._read_record(tenant, memory_id, head["v"])
+        if record is None or record.is_expired(time.time()):
+            return None
+        count = self.tier.get(_k("ac", tenant, memory_id))
+        last = self.tier.get(_k("al", tenant, memory_id))
+        return replace(
+            record,
+            access_count=int(count) if count and count.isdigit() else 0,
+            last_access=_float_or_none(last),
+            fragment_source=self,
+        )
+
+    def _touch(self, record: MemoryRecord) -> MemoryRecord:
+        now = time.time()
+        count = self.tier.incr(_k("ac", record.tenant, record.id))
+        self.tier.set(_k("al", record.tenant, record.id), repr(now).encode())
+        return replace(record, access_count=count, last_access=now)
+
+    def _read_log(self, start: int) -> list[bytes]:
+        return self.tier.read_log(_LOG, start)
+
+    def _index_state(self, tenant: str, memory_id: str) -> IndexedState | None:
+        head = _parse_head(self.tier.get(_k("h", tenant, memory_id)))
+        if head is None:
+            return None
+        if head["deleted"]:
+            return IndexedState(head["v"], None, None)
+        record = self._read_record(tenant, memory_id, head["v"])
+        vector = _unpack_vector(self.tier.get(_k("e", tenant, memory_id, head["v"])), self.index.dimension)
+        if record is None or vector is None:
+            return IndexedState(head["v"], None, None)
+        return IndexedState(head["v"], record.session_id, vector)
+
+    def _erase(self, tenant: str, memory_id: str, head: dict, report: GCReport) -> None:
+        for prefix in ("r", "e"):
+            for version in range(1, head["v"] + 1):
+                self._free(_k(prefix, tenant, memory_id, version), report)
+        for key in list(self.tier.scan(_k("f", tenant, memory_id) + "/")):
+            self._free(key, report)
+        for key in (_k("ac", tenant, memory_id), _k("al", tenant, memory_id)):
+            self._free(key, report)
+        self.tier.append(_LOG, _log_entry(tenant, memory_id))
+        # the tombstone stays: it tells every index to drop the point, and ids are never reused
+        self.tier.set(_k("h", tenant, memory_id), _head(head["v"], deleted=True, erased=True))
+        report.erased_memories += 1
+
+    def _free(self, key: str, report: GCReport) -> None:
+        raw = self.tier.get(key) if key.startswith(BLOB_PREFIX) else None
+        if self.tier.delete(key):
+            report.freed_keys += 1
+            if raw is not None:
+                report.freed_fragments += 1
+                report.freed_bytes += len(raw)
+        self._hot.delete(key)
+
+    def _orphan_is_old(self, tenant: str, memory_id: str, now: float) -> bool:
+        first = self._read_record(tenant, memory_id, 1)
+        return first is None or now - first.created_at > _ORPHAN_GRACE_S
+
+
+# ---------------------------------------------------------------- small encodings
+
+
+def _head(version: int, deleted: bool = False, erased: bool = False) -> bytes:
+    data: dict[str, Any] = {"v": version, "deleted": deleted}
+    if erased:
+        data["erased"] = True
+    return json.dumps(data, sort_keys=True).encode()
+
+
+def _parse_head(raw: bytes | None) -> dict | None:
+    if raw is None:
+        return None
+    try:
+        head = json.loads(raw)
+    except (UnicodeDecodeError, ValueError):
+        return None
+    if not isinstance(head, dict) or not isinstance(head.get("v"), int) or head["v"] < 1:
+        return None
+    head["deleted"] = bool(head.get("deleted"))
+    return head
+
+
+def _log_entry(tenant: str, memory_id: str) -> bytes:
+    return json.dumps({"tenant": tenant, "id": memory_id}).encode()
+
+
+def _pack_vector(vector: Sequence[float]) -> bytes:
+    return struct.pack(f"<{len(vector)}f", *vector)
+
+
+def _unpack_vector(raw: bytes | None, dimension: int) -> list[float] | None:
+    if raw is None or len(raw) != 4 * dimension:
+        return None
+    vector = list(struct.unpack(f"<{dimension}f", raw))
+    return vector if all(math.isfinite(x) for x in vector) else None
+
+
+def _float_or_none(raw: bytes | None) -> float | None:
+    try:
+        return float(raw) if raw else None
+    except ValueError:
+        return None
+
+
+def _blob_fingerprint(raw: bytes) -> str | None:
+    try:
+        return read_header(raw)[1].get("model_fingerprint")
+    except CorruptFragmentError:
+        return None
+
+
+def _check_keywords(value: Any) -> tuple[str, ...]:
+    if isinstance(value, str) or not isinstance(value, Sequence):
+        raise InvalidInputError("semantic_keywords must be a list of strings")
+    return tuple(inputs.check_text(word, "semantic keyword") for word in value)
+
+
+def _expiry(ttl_s: Any, now: float) -> float | None:
+    if ttl_s is None:
+        return None
+    if isinstance(ttl_s, bool) or not isinstance(ttl_s, (int, float)) or not 0 < ttl_s < 1e11:
+        raise InvalidInputError(f"ttl_s must be a positive number of seconds or None, got {ttl_s!r}")
+    return now + float(ttl_s)

@@ -1,0 +1,363 @@
+"""Where the store keeps bytes: one small interface, three backends.
+
+- :class:`HotTier`: this process's memory (``memory://``); fragment blobs in it are bounded in
+  bytes and evicted least recently used first, since they can be rebuilt from text; nothing else
+  is ever evicted. It also sits in front of the other two as a read-through cache of blobs.
+- :class:`DiskTier`: a ``diskcache`` folder, the embedded default. SQLite transactions make every
+  operation below atomic across processes.
+- :class:`RedisTier`: ``redis://`` for processes and machines sharing one memory.
+
+Keys are ``str``, values ``bytes``. The store only needs: read, write, write-if-absent,
+compare-and-set, delete, a counter, an append-only log and a prefix scan. Every one of them is
+atomic on its own, so no process holds a lock that another would wait on.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections import OrderedDict
+from collections.abc import Iterator
+from typing import Protocol
+from urllib.parse import urlsplit
+
+import diskcache
+import diskcache.core
+
+from ..exceptions import InvalidInputError, StoreError
+
+__all__ = ["BLOB_PREFIX", "DiskTier", "HotTier", "KVTier", "RedisTier", "open_tier"]
+
+# Keys under this prefix hold fragment blobs: derived data that may be evicted and rebuilt.
+BLOB_PREFIX = "f/"
+
+
+def _as_bytes(value: object) -> bytes:
+    if not isinstance(value, (bytes, bytearray, memoryview)):
+        raise InvalidInputError(f"store values are bytes, got {type(value).__name__}")
+    return bytes(value)
+
+
+class KVTier(Protocol):
+    """What the store asks of a backend. Every method is atomic; ``url`` names the backend."""
+
+    url: str
+
+    def get(self, key: str) -> bytes | None: ...
+
+    def contains(self, key: str) -> bool: ...
+
+    def set(self, key: str, value: bytes) -> None: ...
+
+    def add(self, key: str, value: bytes) -> bool:
+        """Write only if ``key`` is absent; ``True`` when written."""
+
+    def compare_and_set(self, key: str, expected: bytes | None, value: bytes | None) -> bool:
+        """Replace the value if it is ``expected`` (``None``: absent); ``value`` ``None`` deletes."""
+
+    def delete(self, key: str) -> bool: ...
+
+    def incr(self, key: str) -> int: ...
+
+    def append(self, log: str, value: bytes) -> int:
+        """Append to a log; returns the entry's index (0, 1, 2...)."""
+
+    def read_log(self, log: str, start: int) -> list[bytes]:
+        """Entries ``start...`` of a log, in order."""
+
+    def scan(self, prefix: str) -> Iterator[str]: ...
+
+    def close(self) -> None: ...
+
+
+class HotTier:
+    """An in-process tier; blobs (keys under :data:`BLOB_PREFIX`) are kept within ``blob_bytes``.
+
+    :param blob_bytes: bound on the bytes of blobs held; ``0`` holds none.
+    """
+
+    def __init__(self, blob_bytes: int = 1 << 30, url: str = "memory://") -> None:
+        self.url = url
+        self.blob_bytes = blob_bytes
+        self._data: dict[str, bytes] = {}
+        self._blobs: OrderedDict[str, int] = OrderedDict()
+        self._blob_total = 0
+        self._logs: dict[str, list[bytes]] = {}
+        self._lock = threading.RLock()
+
+    def get(self, key: str) -> bytes | None:
+        with self._lock:
+            if key in self._blobs:
+                self._blobs.move_to_end(key)
+            return self._data.get(key)
+
+    def contains(self, key: str) -> bool:
+        with self._lock:
+            return key in self._data
+
+    def set(self, key: str, value: bytes) -> None:
+        with self._lock:
+            self._delete(key)
+            if key.startswith(BLOB_PREFIX):
+                if len(value) > self.blob_bytes:
+                    return
+                self._blobs[key] = len(value)
+                self._blob_total += len(value)
+                while self._blob_total > self.blob_bytes:
+                    evicted, size = self._blobs.popitem(last=False)
+                    self._blob_total -= size
+                    del self._data[evicted]
+            self._data[key] = _as_bytes(value)
+
+    def add(self, key: str, value: bytes) -> bool:
+        with self._lock:
+            if key in self._data:
+                return False
+            self.set(key, value)
+            return True
+
+    def compare_and_set(self, key: str, expected: bytes | None, value: bytes | None) -> bool:
+        with self._lock:
+            if self._data.get(key) != expected:
+                return False
+            if value is None:
+                self._delete(key)
+            else:
+                self.set(key, value)
+            return True
+
+    def delete(self, key: str) -> bool:
+        with self._lock:
+            return self._delete(key)
+
+    def _delete(self, key: str) -> bool:
+        size = self._blobs.pop(key, None)
+        if size is not None:
+            self._blob_total -= size
+        return self._data.pop(key, None) is not None
+
+    def incr(self, key: str) -> int:
+        with self._lock:
+            value = int(self._data.get(key, b"0")) + 1
+            self._data[key] = str(value).encode()
+            return value
+
+    def append(self, log: str, value: bytes) -> int:
+        with self._lock:
+            entries = self._logs.setdefault(log, [])
+            entries.append(_as_bytes(value))
+            return len(entries) - 1
+
+    def read_log(self, log: str, start: int) -> list[bytes]:
+        with self._lock:
+            return list(self._logs.get(log, [])[start:])
+
+    def scan(self, prefix: str) -> Iterator[str]:
+        with self._lock:
+            return iter([key for key in self._data if key.startswith(prefix)])
+
+    def clear(self) -> None:
+        with self._lock:
+            self._data.clear()
+            self._blobs.clear()
+            self._blob_total = 0
+            self._logs.clear()
+
+    def close(self) -> None:
+        pass
+
+
+class _BytesOnlyDisk(diskcache.Disk):
+    """diskcache storage limited to str keys and bytes or int values, both ways: a tampered row can
+    never make it deserialise an object (diskcache would otherwise unpickle rows marked so)."""
+
+    def put(self, key):
+        if not isinstance(key, str):
+            raise InvalidInputError(f"store keys are str, got {type(key).__name__}")
+        return super().put(key)
+
+    def get(self, key, raw):
+        if not raw:
+            raise StoreError("refusing a pickled key in the disk tier")
+        return super().get(key, raw)
+
+    def store(self, value, read, key=diskcache.core.UNKNOWN):
+        if not isinstance(value, (bytes, int)):
+            raise InvalidInputError(f"store values are bytes, got {type(value).__name__}")
+        return super().store(value, read, key=key)
+
+    def fetch(self, mode, filename, value, read):
+        if mode == diskcache.core.MODE_PICKLE:
+            raise StoreError("refusing a pickled value in the disk tier")
+        return super().fetch(mode, filename, value, read)
+
+
+class DiskTier:
+    """A ``diskcache`` folder shared safely by the processes of one machine.
+
+    :param path: the folder (created when missing).
+    """
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.url = f"file://{os.path.abspath(path)}"
+        try:
+            # no size limit: diskcache would otherwise evict records, and a memory never loses what it was told
+            self._cache = diskcache.Cache(os.fspath(path), disk=_BytesOnlyDisk, size_limit=2**62, eviction_policy="none")
+        except (OSError, diskcache.core.sqlite3.Error) as exc:
+            raise StoreError(f"cannot open the disk tier at {path}: {exc}") from exc
+
+    def get(self, key: str) -> bytes | None:
+        return self._stored(self._cache.get(key, default=None, retry=True))
+
+    def contains(self, key: str) -> bool:
+        return key in self._cache
+
+    @staticmethod
+    def _stored(value: object) -> bytes | None:
+        if value is None or isinstance(value, bytes):
+            return value
+        if isinstance(value, int):  # counters
+            return str(value).encode()
+        raise StoreError(f"the disk tier holds a {type(value).__name__} where bytes were written")
+
+    def set(self, key: str, value: bytes) -> None:
+        self._cache.set(key, _as_bytes(value), retry=True)
+
+    def add(self, key: str, value: bytes) -> bool:
+        return self._cache.add(key, _as_bytes(value), retry=True)
+
+    def compare_and_set(self, key: str, expected: bytes | None, value: bytes | None) -> bool:
+        with self._cache.transact(retry=True):
+            if self.get(key) != expected:
+                return False
+            if value is None:
+                self._cache.delete(key, retry=True)
+            else:
+                self._cache.set(key, _as_bytes(value), retry=True)
+            return True
+
+    def delete(self, key: str) -> bool:
+        return self._cache.delete(key, retry=True)
+
+    def incr(self, key: str) -> int:
+        return self._cache.incr(key, retry=True)
+
+    def append(self, log: str, value: bytes) -> int:
+        with self._cache.transact(retry=True):
+            index = self._cache.incr(f"{log}#", retry=True) - 1
+            self._cache.set(f"{log}@{index:012d}", _as_bytes(value), retry=True)
+            return index
+
+    def read_log(self, log: str, start: int) -> list[bytes]:
+        length = self._cache.get(f"{log}#", default=0, retry=True)
+        entries = []
+        for index in range(start, length):
+            value = self._cache.get(f"{log}@{index:012d}", retry=True)
+            if value is None:  # written in one transaction with the count, so only a damaged folder lacks it
+                raise StoreError(f"log {log!r} lacks entry {index}")
+            entries.append(self._stored(value))
+        return entries
+
+    def scan(self, prefix: str) -> Iterator[str]:
+        return (key for key in self._cache.iterkeys() if isinstance(key, str) and key.startswith(prefix))
+
+    def close(self) -> None:
+        self._cache.close()
+
+
+class RedisTier:
+    """A Redis database shared by every process and machine that opens the same URL.
+
+    :param url: ``redis://host:port/db`` (``rediss://`` for TLS).
+    :raises StoreError: the server cannot be reached.
+    """
+
+    # Compare-and-set in one server-side step: no client holds a lock another would wait on.
+    _CAS = """
+    local current = redis.call('GET', KEYS[1])
+    if ARGV[1] == '1' then
+        if current then return 0 end
+    elseif current ~= ARGV[2] then
+        return 0
+    end
+    if ARGV[3] == '1' then redis.call('DEL', KEYS[1]) else redis.call('SET', KEYS[1], ARGV[4]) end
+    return 1
+    """
+
+    def __init__(self, url: str) -> None:
+        try:
+            import redis  # only this tier needs it: an optional dependency
+        except ImportError:
+            raise StoreError("the Redis tier needs the redis package: pip install 'kvshift-memory[redis]'") from None
+
+        self.url = url
+        self._errors = (redis.RedisError,)
+        try:
+            self._client = redis.Redis.from_url(url, socket_connect_timeout=5, socket_timeout=30)
+            self._client.ping()
+        except redis.RedisError as exc:
+            raise StoreError(f"cannot reach Redis at {url}: {exc}") from exc
+        self._cas = self._client.register_script(self._CAS)
+
+    def _call(self, method: str, *args, **kwargs):
+        try:
+            return getattr(self._client, method)(*args, **kwargs)
+        except self._errors as exc:
+            raise StoreError(f"Redis at {self.url} failed on {method}: {exc}") from exc
+
+    def get(self, key: str) -> bytes | None:
+        return self._call("get", key)
+
+    def contains(self, key: str) -> bool:
+        return bool(self._call("exists", key))
+
+    def set(self, key: str, value: bytes) -> None:
+        self._call("set", key, _as_bytes(value))
+
+    def add(self, key: str, value: bytes) -> bool:
+        return bool(self._call("set", key, _as_bytes(value), nx=True))
+
+    def compare_and_set(self, key: str, expected: bytes | None, value: bytes | None) -> bool:
+        args = ["1" if expected is None else "0", expected or b"", "1" if value is None else "0", value or b""]
+        try:
+            return bool(self._cas(keys=[key], args=args))
+        except self._errors as exc:
+            raise StoreError(f"Redis at {self.url} failed on compare-and-set: {exc}") from exc
+
+    def delete(self, key: str) -> bool:
+        return bool(self._call("delete", key))
+
+    def incr(self, key: str) -> int:
+        return int(self._call("incr", key))
+
+    def append(self, log: str, value: bytes) -> int:
+        return int(self._call("rpush", log, _as_bytes(value))) - 1
+
+    def read_log(self, log: str, start: int) -> list[bytes]:
+        return list(self._call("lrange", log, start, -1))
+
+    def scan(self, prefix: str) -> Iterator[str]:
+        pattern = "".join(f"[{c}]" if c in "*?[]\\" else c for c in prefix) + "*"
+        return (key.decode() for key in self._call("scan_iter", match=pattern, count=1000))
+
+    def close(self) -> None:
+        self._client.close()
+
+
+def open_tier(url: str | os.PathLike) -> KVTier:
+    """A tier for ``url``: ``memory://``, ``redis://…``/``rediss://…``, ``file://PATH`` or a folder path.
+
+    :raises InvalidInputError: an unknown scheme.
+    :raises StoreError: the backend cannot be opened.
+    """
+    text = os.fspath(url)
+    scheme = urlsplit(text).scheme if "://" in text else ""
+    if scheme == "memory":
+        return HotTier()
+    if scheme in ("redis", "rediss", "unix"):
+        return RedisTier(text)
+    if scheme == "file":
+        return DiskTier(text[len("file://") :])
+    if scheme:
+        raise InvalidInputError(f"unknown store URL scheme {scheme!r}: use a folder, file://, memory:// or redis://")
+    return DiskTier(text)

@@ -1,0 +1,80 @@
+"""Span markers: parsed strictly, stripped always, never a way into another namespace."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvshift_memory.exceptions import InvalidInputError
+from kvshift_memory.markers import parse_markers, render_marker, resolve_markers, strip_markers
+
+
+def test_well_formed_markers_split_the_text():
+    spans = parse_markers("before ⟦mem:abc@3⟧the fact⟦/mem⟧ after")
+    assert [(s.text, s.memory_id, s.version) for s in spans] == [
+        ("before ", None, None),
+        ("the fact", "abc", 3),
+        (" after", None, None),
+    ]
+
+
+@pytest.mark.parametrize(
+    "text,plain",
+    [
+        ("⟦mem:abc@1⟧unterminated", "unterminated"),
+        ("stray ⟦/mem⟧ close", "stray  close"),
+        ("⟦mem:abc⟧no version⟦/mem⟧", "no version"),
+        ("⟦mem:abc@0⟧version zero⟦/mem⟧", "version zero"),
+        ("⟦mem:abc@-1⟧negative⟦/mem⟧", "negative"),
+        ("⟦mem:a b@1⟧space in id⟦/mem⟧", "space in id"),
+        ("dangling ⟦mem", "dangling "),
+        ("⟦MEM:abc@1⟧case⟦/mem⟧", "⟦MEM:abc@1⟧case"),  # not a marker: only the close is stripped
+    ],
+)
+def test_malformed_markers_degrade_to_plain_text(text, plain):
+    spans = parse_markers(text)
+    assert all(span.memory_id is None for span in spans)
+    assert "".join(span.text for span in spans) == plain == strip_markers(text)
+
+
+def test_nested_markers_never_make_the_outer_span():
+    spans = parse_markers("⟦mem:outer@1⟧a ⟦mem:inner@2⟧b⟦/mem⟧ c⟦/mem⟧")
+    assert [(s.text, s.memory_id) for s in spans] == [("a ", None), ("b", "inner"), (" c", None)]
+    assert "⟦" not in "".join(s.text for s in spans)
+
+
+def test_marker_text_is_checked():
+    with pytest.raises(InvalidInputError):
+        parse_markers(b"bytes")  # type: ignore[arg-type]
+    assert parse_markers("") == []
+    long_text = "x" * 200_000 + "⟦mem:abc@1⟧fact⟦/mem⟧"
+    assert parse_markers(long_text)[-1].memory_id == "abc"
+
+
+class _OneMemoryStore:
+    """What resolve_markers asks of a store: get(id, tenant=...) of the caller's own namespace."""
+
+    def __init__(self, record):
+        self.record = record
+
+    def get(self, memory_id, *, tenant):
+        return self.record if (memory_id, tenant) == (self.record.id, self.record.tenant) else None
+
+
+def _record(text="The budget is 50k.", tenant="alice"):
+    from kvshift_memory.store.records import MemoryRecord, text_hash
+
+    return MemoryRecord("m1", 2, text, tenant, "s1", 0.0, text_hash(text))
+
+
+def test_resolution_needs_tenant_session_version_and_hash():
+    record = _record()
+    store = _OneMemoryStore(record)
+    marker = render_marker(record)
+    assert resolve_markers(f"A {marker} B", store, tenant="alice") == ["A ", record, " B"]
+    assert resolve_markers(marker, store, tenant="alice", session_id="s1") == [record]
+    assert resolve_markers(marker, store, tenant="alice", session_id="s2") == [record.text]
+    assert resolve_markers(marker, store, tenant="bob") == [record.text]
+    assert resolve_markers("⟦mem:m1@1⟧The budget is 50k.⟦/mem⟧", store, tenant="alice") == [record.text]
+    assert resolve_markers("⟦mem:m1@2⟧The budget is 90k.⟦/mem⟧", store, tenant="alice") == ["The budget is 90k."]
+    with pytest.raises(InvalidInputError):
+        resolve_markers(marker, store, tenant="")

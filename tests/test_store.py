@@ -1,0 +1,220 @@
+"""MemoryStore: the API, versions, lifecycle, isolation and bad input, on every backend."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from kvshift_memory import MemoryRecord, MemoryStore
+from kvshift_memory.exceptions import InvalidInputError, MemoryNotFoundError, StoreError
+from kvshift_memory.store.records import text_hash
+
+FACTS = [
+    "Budget for the Lisbon trip: 50k.",
+    "My sister Ana lives in Porto and works as a nurse.",
+    "The flight to Lisbon leaves on 12 May at 7am.",
+    "I am allergic to peanuts.",
+]
+
+
+def test_add_get_search(make_store):
+    store = make_store()
+    records = [store.add(text, tenant="alice", session_id="trip") for text in FACTS]
+    assert [r.version for r in records] == [1] * 4 and len({r.id for r in records}) == 4
+    got = store.get(records[0].id, tenant="alice")
+    assert got.text == FACTS[0] and got.status == "live" and got.session_id == "trip"
+    assert got.source_text_hash == text_hash(FACTS[0]) and got.access_count == 1
+    hits = store.search("When does my plane depart?", tenant="alice", k=2)
+    assert len(hits) == 2 and hits[0].text == FACTS[2]
+    assert hits[0].score >= hits[1].score
+    assert store.search("peanut allergy", tenant="alice", session_id="trip", k=1)[0].text == FACTS[3]
+    assert store.search("peanut allergy", tenant="alice", session_id="other", k=4) == []
+    assert store.get(records[2].id, tenant="alice").access_count == 2  # one search hit, then this get
+
+
+def test_supersede_keeps_the_chain_and_search_sees_only_the_live_version(make_store):
+    store = make_store()
+    old = store.add("The budget is 50k.", tenant="alice")
+    store.add("My cat is called Tom.", tenant="alice")
+    new = store.supersede(old.id, "The budget is 70k.", tenant="alice")
+    assert (new.id, new.version, new.text) == (old.id, 2, "The budget is 70k.")
+    assert store.get(old.id, tenant="alice").text == "The budget is 70k."
+    texts = [r.text for r in store.search("what is the budget", tenant="alice", k=4)]
+    assert "The budget is 70k." in texts and "The budget is 50k." not in texts
+    history = store.history(old.id, tenant="alice")
+    assert [(r.version, r.text, r.status) for r in history] == [
+        (1, "The budget is 50k.", "superseded"),
+        (2, "The budget is 70k.", "live"),
+    ]
+    third = store.supersede(old.id, "The budget is 90k.", tenant="alice")
+    assert third.version == 3 and len(store.history(old.id, tenant="alice")) == 3
+
+
+def test_delete_and_gc_erase_everything_of_a_memory(make_store):
+    store = make_store()
+    keep = store.add("Keep me.", tenant="alice")
+    gone = store.add("Forget me.", tenant="alice")
+    store.supersede(gone.id, "Forget me, version two.", tenant="alice")
+    assert store.delete(gone.id, tenant="alice") is True
+    assert store.delete(gone.id, tenant="alice") is False
+    assert store.get(gone.id, tenant="alice") is None
+    assert [r.text for r in store.search("forget", tenant="alice", k=4)] == ["Keep me."]
+    with pytest.raises(MemoryNotFoundError):
+        store.history(gone.id, tenant="alice")
+    report = store.gc()
+    assert report.erased_memories == 1
+    leftovers = [key for key in store.tier.scan("") if gone.id in key and not key.startswith("h/")]
+    assert leftovers == []  # text, vectors and counters erased; only the tombstone head stays
+    assert store.get(keep.id, tenant="alice").text == "Keep me."
+    assert store.check().ok
+
+
+def test_ttl_expires_a_memory(make_store):
+    store = make_store()
+    short = store.add("Expires soon.", tenant="alice", ttl_s=0.5)
+    lasting = store.add("Stays.", tenant="alice")
+    assert store.get(short.id, tenant="alice") is not None
+    time.sleep(0.7)
+    assert store.get(short.id, tenant="alice") is None
+    assert [r.text for r in store.search("expires", tenant="alice", k=4)] == ["Stays."]
+    assert store.gc().erased_memories == 1
+    assert store.get(lasting.id, tenant="alice") is not None
+
+
+def test_find_by_hash_and_stats(make_store):
+    store = make_store()
+    record = store.add(FACTS[0], tenant="alice")
+    assert store.find_by_hash(text_hash(FACTS[0]), tenant="alice").id == record.id
+    assert store.find_by_hash(text_hash("never stored"), tenant="alice") is None
+    stats = store.stats()
+    assert (stats["memories"], stats["versions"], stats["fragments"]) == (1, 1, 0)
+
+
+def test_records_reopen_from_disk(tmp_path, embedder):
+    with MemoryStore(tmp_path / "s", embedder=embedder) as store:
+        record = store.add(FACTS[1], tenant="alice", importance_score=0.9, semantic_keywords=["family", "Porto"])
+    with MemoryStore(tmp_path / "s", embedder=embedder) as store:
+        again = store.get(record.id, tenant="alice")
+        assert again.text == FACTS[1] and again.importance_score == 0.9
+        assert again.semantic_keywords == ("family", "Porto")
+        assert store.search("Where does my sister live?", tenant="alice", k=1)[0].id == record.id
+
+
+# ---------------------------------------------------------------- isolation: B never gets A's
+
+
+def test_tenant_isolation(make_store):
+    store = make_store()
+    secret = "Alice's bank PIN is 4921."
+    a = store.add(secret, tenant="alice", session_id="s")
+    b_own = store.add("Bob likes chess.", tenant="bob")
+
+    # by search, even with A's exact text as the query
+    assert all(r.tenant == "bob" for r in store.search(secret, tenant="bob", k=10))
+    assert [r.id for r in store.search(secret, tenant="bob", k=10)] == [b_own.id]
+    # by id, through every entry point
+    assert store.get(a.id, tenant="bob") is None
+    with pytest.raises(MemoryNotFoundError):
+        store.supersede(a.id, "Alice's PIN is 0000.", tenant="bob")
+    with pytest.raises(MemoryNotFoundError):
+        store.history(a.id, tenant="bob")
+    assert store.delete(a.id, tenant="bob") is False
+    # by guessing the text hash
+    assert store.find_by_hash(a.source_text_hash, tenant="bob") is None
+    # by a forged record: fragment reads and writes need a live record of that tenant with that text
+    forged = MemoryRecord(**{**a.as_dict(), "tenant": "bob"})
+    assert store.load_fragment(forged, "0" * 32) is None
+    assert store.save_fragment(forged, "0" * 32, b"anything") is False
+    wrong_text = MemoryRecord(**{**a.as_dict(), "text": "Alice's bank PIN is 0000."})
+    assert store.save_fragment(wrong_text, "0" * 32, b"anything") is False
+    # and A's memory is untouched
+    assert store.get(a.id, tenant="alice").text == secret
+    assert store.history(a.id, tenant="alice")[-1].version == 1
+
+
+def test_forged_markers_resolve_only_in_the_callers_namespace(make_store):
+    from kvshift_memory.markers import render_marker, resolve_markers
+
+    store = make_store()
+    a = store.add("Alice's bank PIN is 4921.", tenant="alice", session_id="s1")
+    marker = render_marker(a)
+    # bob copies alice's marker, text and all: plain text for him, no record
+    assert resolve_markers(f"hi {marker}", store, tenant="bob") == [f"hi {a.text}"]
+    # alice herself: resolves in her tenant, and in the right session only
+    resolved = resolve_markers(marker, store, tenant="alice", session_id="s1")
+    assert len(resolved) == 1 and isinstance(resolved[0], MemoryRecord) and resolved[0].id == a.id
+    assert resolve_markers(marker, store, tenant="alice", session_id="s2") == [a.text]
+    # wrong hash (edited text), wrong version: plain text
+    assert resolve_markers(f"⟦mem:{a.id}@1⟧Alice's PIN is 0000.⟦/mem⟧", store, tenant="alice") == ["Alice's PIN is 0000."]
+    assert resolve_markers(f"⟦mem:{a.id}@2⟧{a.text}⟦/mem⟧", store, tenant="alice") == [a.text]
+
+
+# ---------------------------------------------------------------- bad input
+
+
+def test_bad_input_is_refused_clearly_and_loses_nothing(make_store):
+    store = make_store()
+    kept = store.add("Something to keep.", tenant="alice")
+    bad_calls = [
+        lambda: store.add("", tenant="alice"),
+        lambda: store.add("   \n", tenant="alice"),
+        lambda: store.add("bad \ud800 surrogate", tenant="alice"),
+        lambda: store.add(123, tenant="alice"),
+        lambda: store.add(b"bytes", tenant="alice"),
+        lambda: store.add("x" * 1_000_001, tenant="alice"),
+        lambda: store.add("ok", tenant=""),
+        lambda: store.add("ok", tenant=None),
+        lambda: store.add("ok", tenant="a\nb"),
+        lambda: store.add("ok", tenant="a" * 257),
+        lambda: store.add("ok", tenant="alice", session_id=5),
+        lambda: store.add("ok", tenant="alice", importance_score=2.0),
+        lambda: store.add("ok", tenant="alice", importance_score=float("nan")),
+        lambda: store.add("ok", tenant="alice", semantic_keywords="not a list"),
+        lambda: store.add("ok", tenant="alice", ttl_s=-1),
+        lambda: store.add("ok", tenant="alice", ttl_s=float("inf")),
+        lambda: store.get(None, tenant="alice"),
+        lambda: store.get("", tenant="alice"),
+        lambda: store.search("", tenant="alice"),
+        lambda: store.search("q", tenant="alice", k=0),
+        lambda: store.search("q", tenant="alice", k="4"),
+        lambda: store.search("q", tenant="alice", k=10**6),
+        lambda: store.supersede(kept.id, "", tenant="alice"),
+        lambda: store.find_by_hash("not-a-hash", tenant="alice"),
+    ]
+    for call in bad_calls:
+        with pytest.raises(InvalidInputError):
+            call()
+    assert store.get("no-such-id", tenant="alice") is None
+    with pytest.raises(MemoryNotFoundError):
+        store.supersede("no-such-id", "text", tenant="alice")
+    assert store.delete("no-such-id", tenant="alice") is False
+    # well-defined results: huge text and control characters are stored verbatim
+    huge = store.add("word " * 20_000, tenant="alice")
+    assert store.get(huge.id, tenant="alice").text == "word " * 20_000
+    controls = store.add("tab\there\x00nul\x1bescape\u202eRTL", tenant="alice")
+    assert store.get(controls.id, tenant="alice").text == "tab\there\x00nul\x1bescape\u202eRTL"
+    # nothing was lost
+    assert store.get(kept.id, tenant="alice").text == "Something to keep."
+    assert store.stats()["memories"] == 3
+    assert store.check().ok
+
+
+def test_constructor_refuses_bad_settings(tmp_path, embedder):
+    for options in ({}, {"codec": "int3"}, {"group_size": 3}, {"hot_bytes": -1}):
+        with pytest.raises(InvalidInputError):
+            MemoryStore(**({"path": tmp_path} if options else {}), embedder=embedder, **options)
+    with pytest.raises(InvalidInputError):
+        MemoryStore(kv_url="ftp://x", embedder=embedder)
+    with pytest.raises(StoreError):
+        MemoryStore(kv_url="redis://127.0.0.1:1/0", embedder=embedder)
+
+
+def test_damaged_records_are_reported_not_served(make_store):
+    store = make_store()
+    record = store.add("A fact.", tenant="alice")
+    key = f"r/alice/{record.id}/1"
+    store.tier.set(key, b'{"not": "a record"}')
+    assert store.get(record.id, tenant="alice") is None
+    report = store.check()
+    assert not report.ok and any(record.id in problem for problem in report.problems)

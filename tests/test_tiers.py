@@ -1,0 +1,124 @@
+"""The KV tiers: one behaviour suite, run against every backend."""
+
+from __future__ import annotations
+
+import sqlite3
+import threading
+
+import pytest
+
+from kvshift_memory.exceptions import InvalidInputError, StoreError
+from kvshift_memory.store.tiers import BLOB_PREFIX, DiskTier, HotTier, RedisTier, open_tier
+
+
+@pytest.fixture
+def tier(backend, tmp_path, request):
+    if backend == "memory":
+        made = HotTier()
+    elif backend == "disk":
+        made = DiskTier(tmp_path / "kv")
+    else:
+        import redis
+
+        url = request.getfixturevalue("redis_url")
+        redis.Redis.from_url(url).flushdb()
+        made = RedisTier(url)
+    yield made
+    made.close()
+
+
+def test_get_set_delete(tier):
+    assert tier.get("a") is None
+    tier.set("a", b"1")
+    assert tier.get("a") == b"1"
+    tier.set("a", b"\x00\xff" * 50_000)  # binary, and large enough for diskcache to use a file
+    assert tier.get("a") == b"\x00\xff" * 50_000
+    assert tier.delete("a") is True
+    assert tier.delete("a") is False
+    assert tier.get("a") is None
+
+
+def test_add_writes_only_when_absent(tier):
+    assert tier.add("k", b"first") is True
+    assert tier.add("k", b"second") is False
+    assert tier.get("k") == b"first"
+
+
+def test_compare_and_set(tier):
+    assert tier.compare_and_set("h", None, b"v1") is True
+    assert tier.compare_and_set("h", None, b"v1") is False  # no longer absent
+    assert tier.compare_and_set("h", b"other", b"v2") is False
+    assert tier.get("h") == b"v1"
+    assert tier.compare_and_set("h", b"v1", b"v2") is True
+    assert tier.compare_and_set("h", b"v2", None) is True
+    assert tier.get("h") is None
+
+
+def test_counter_and_log(tier):
+    assert [tier.incr("n") for _ in range(3)] == [1, 2, 3]
+    assert [tier.append("log", f"e{i}".encode()) for i in range(4)] == [0, 1, 2, 3]
+    assert tier.read_log("log", 0) == [b"e0", b"e1", b"e2", b"e3"]
+    assert tier.read_log("log", 3) == [b"e3"]
+    assert tier.read_log("log", 4) == []
+    assert tier.read_log("missing", 0) == []
+
+
+def test_scan_is_by_literal_prefix(tier):
+    for key in ("r/a/1", "r/a/2", "r/ab/1", "r/a*/1", "x/a/1"):
+        tier.set(key, b"")
+    assert sorted(tier.scan("r/a/")) == ["r/a/1", "r/a/2"]
+    assert sorted(tier.scan("r/a*/")) == ["r/a*/1"]  # glob characters are not patterns
+
+
+def test_concurrent_compare_and_set_has_one_winner(tier):
+    wins = []
+
+    def race(i: int) -> None:
+        if tier.compare_and_set("head", None, str(i).encode()):
+            wins.append(i)
+
+    threads = [threading.Thread(target=race, args=(i,)) for i in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(wins) == 1 and tier.get("head") == str(wins[0]).encode()
+
+
+def test_hot_tier_evicts_blobs_only():
+    hot = HotTier(blob_bytes=1000)
+    hot.set("r/record", b"x" * 5000)  # records are never evicted, whatever their size
+    for i in range(5):
+        hot.set(f"{BLOB_PREFIX}{i}", b"b" * 400)
+    assert hot.get("r/record") == b"x" * 5000
+    assert [hot.get(f"{BLOB_PREFIX}{i}") is not None for i in range(5)] == [False, False, False, True, True]
+    hot.set(f"{BLOB_PREFIX}huge", b"h" * 2000)  # larger than the bound: not kept, evicts nothing
+    assert hot.get(f"{BLOB_PREFIX}huge") is None and hot.get(f"{BLOB_PREFIX}4") is not None
+
+
+def test_disk_tier_refuses_objects(tmp_path):
+    tier = DiskTier(tmp_path / "kv")
+    with pytest.raises(InvalidInputError):
+        tier.set("k", {"an": "object"})  # type: ignore[arg-type]
+    tier.set("k", b"bytes")
+    # a tampered row marked "pickled" (mode 4) must be refused, never deserialised
+    tier.close()
+    with sqlite3.connect(tmp_path / "kv" / "cache.db") as db:
+        db.execute("UPDATE Cache SET mode = 4 WHERE key = 'k'")
+    tier = DiskTier(tmp_path / "kv")
+    with pytest.raises(StoreError):
+        tier.get("k")
+    tier.close()
+
+
+def test_open_tier_urls(tmp_path):
+    assert isinstance(open_tier("memory://"), HotTier)
+    assert isinstance(open_tier(tmp_path / "a"), DiskTier)
+    assert isinstance(open_tier(f"file://{tmp_path}/b"), DiskTier)
+    with pytest.raises(InvalidInputError, match="scheme"):
+        open_tier("ftp://example.com/x")
+
+
+def test_unreachable_redis_is_a_clear_error():
+    with pytest.raises(StoreError, match="cannot reach Redis"):
+        RedisTier("redis://127.0.0.1:1/0")
