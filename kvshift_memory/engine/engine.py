@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import hashlib
+import logging
 import os
 import time
+import weakref
 from importlib import resources
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
@@ -11,8 +14,9 @@ from typing import Any
 
 import torch
 
-from ..exceptions import ContextOverflowError, InvalidInputError
+from ..exceptions import ContextOverflowError, CorruptFragmentError, InvalidInputError, StoreError
 from ..kv.cache import ForwardStep, ShiftCache
+from ..kv.codec import CodecSpec, decode_fragment, encode_fragment
 from ..kv.fragment import Fragment
 from ..kv.rope import rotate_
 from .. import inputs
@@ -25,6 +29,8 @@ from .prompt import FragmentSpan, PromptLayout, build_layout, digest_ids
 from .results import GenerationResult, ReuseStats, ScoreResult
 
 __all__ = ["EngineSettings", "GenerationStream", "KVShiftEngine"]
+
+logger = logging.getLogger("kvshift_memory.engine")
 
 # The blend ranks fragment tokens by the attention of the prompt's last tokens (the ones the answer
 # is generated from); measured as good as all question tokens, at a fraction of the cost.
@@ -174,6 +180,8 @@ class KVShiftEngine:
         self.num_layers = config.num_hidden_layers
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
         self.max_positions = int(config.max_position_embeddings)
+        self.kv_heads = int(getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
+        self.head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
         self.eos_token_ids = self._eos_ids()
         self._encode_context_ids = torch.tensor(
             tokenizer(self.settings.encode_context, add_special_tokens=False, split_special_tokens=True)["input_ids"],
@@ -181,6 +189,8 @@ class KVShiftEngine:
         )
         self._prefixes: BytePool[_PrefixEntry] = BytePool(self.settings.prefix_cache_bytes, lambda e: e.nbytes)
         self._fragments: BytePool[Fragment] = BytePool(self.settings.fragment_cache_bytes, lambda f: f.nbytes)
+        # per store, the record fragments known to be in it (weak: a closed store is forgotten)
+        self._stored: weakref.WeakKeyDictionary[Any, set[tuple]] = weakref.WeakKeyDictionary()
 
     @classmethod
     def from_pretrained(
@@ -226,7 +236,8 @@ class KVShiftEngine:
         :param messages: a user message, or a list of ``{"role", "content"}`` dicts (a system message
             may come first; without one, ``settings.system_prompt`` is used).
         :param memories: texts, or records with a ``text`` attribute; placed one per line after
-            ``settings.memory_header``.
+            ``settings.memory_header``. Records from a :class:`MemoryStore` bring their stored
+            fragment along (and a fragment encoded here is stored for them).
         :param reuse: ``"none"``, ``"prefix"``, ``"blend"`` or ``None`` (blend with memories,
             prefix without).
         :param recompute_ratio: share of fragment tokens the blend recomputes (default
@@ -308,6 +319,7 @@ class KVShiftEngine:
             self._prefixes.clear()
         if fragments:
             self._fragments.clear()
+            self._stored.clear()
 
     def count_tokens(self, text: str) -> int:
         """Tokens ``text`` takes as message content."""
@@ -322,6 +334,8 @@ class KVShiftEngine:
         requested = inputs.check_reuse(reuse)
         ratio = self.settings.recompute_ratio if recompute_ratio is None else inputs.check_ratio(recompute_ratio)
         layout = build_layout(self.tokenizer, messages, texts, self.settings.system_prompt, self.settings.memory_header)
+        records = [None if isinstance(memory, str) else memory for memory in memories or ()]
+        layout = replace(layout, fragments=tuple(replace(s, record=r) for s, r in zip(layout.fragments, records)))
         for index, span in enumerate(layout.fragments):
             if len(span.token_ids) + extra_tokens >= self.max_positions:
                 raise ContextOverflowError(
@@ -411,19 +425,101 @@ class KVShiftEngine:
             )
         return fragments
 
-    def _fetch_fragments(self, layout: PromptLayout, spans: list[FragmentSpan]) -> tuple[list[Fragment], list[bool]]:
-        """Fragments for ``spans`` from the pool, encoding the missing ones."""
+    def _fetch_fragments(self, layout: PromptLayout, spans: list[FragmentSpan]) -> tuple[list[Fragment], list[str]]:
+        """Fragments for ``spans``: from this process's pool, else from the memory's store, else encoded now.
+
+        :returns: the fragments, and where each came from: ``"pool"``, ``"store"``, ``"encoded"``
+            or ``"re-encoded"`` (its stored blob was refused).
+        """
         conditioning = layout.token_ids[: layout.prefix_length].tolist() + self._encode_context_ids.tolist()
         context_digest = digest_ids(conditioning)
         keys = [(context_digest, digest_ids(span.token_ids)) for span in spans]
-        found = [self._fragments.get(key) for key in keys]
+        found: list[Fragment | None] = []
+        origins: list[str] = []
+        for span, key in zip(spans, keys):
+            fragment, origin = self._fragments.get(key), "pool"
+            if fragment is None:
+                fragment, origin = self._load_stored(span, context_digest)
+                if fragment is not None:
+                    self._fragments.put(key, fragment)
+            elif not self._known_stored(span, context_digest):
+                self._keep_stored(span, fragment)  # this text was encoded here before its record was stored
+            found.append(fragment)
+            origins.append(origin)
         missing = [i for i, fragment in enumerate(found) if fragment is None]
         if missing:
             encoded = self._encode_fragments(layout, [spans[i] for i in missing])
             for i, fragment in zip(missing, encoded):
                 found[i] = fragment
                 self._fragments.put(keys[i], fragment)
-        return found, [fragment_index not in missing for fragment_index in range(len(spans))]
+                self._keep_stored(spans[i], fragment)
+        return found, origins
+
+    def _stored_identity(self, source: Any, record: Any, context_digest: str) -> tuple[str, CodecSpec, dict[str, str]]:
+        """The variant key, codec and header a record's fragment has for this model and prefix."""
+        spec = CodecSpec(source.codec, source.group_size)
+        variant = hashlib.blake2b(f"{self.fingerprint}|{context_digest}|{spec.label}".encode(), digest_size=16).hexdigest()
+        return variant, spec, {**source.fragment_expectations(record), "model_fingerprint": self.fingerprint}
+
+    def _load_stored(self, span: FragmentSpan, context_digest: str) -> tuple[Fragment | None, str]:
+        source = getattr(span.record, "fragment_source", None)
+        if source is None:
+            return None, "encoded"
+        variant, _, expect = self._stored_identity(source, span.record, context_digest)
+        try:
+            blob = source.load_fragment(span.record, variant)
+        except StoreError as exc:  # a fragment is an accelerator: without the store, encode from text
+            logger.warning("cannot fetch the fragment of memory %s: %s", span.record.id, exc)
+            return None, "encoded"
+        if blob is None:
+            return None, "encoded"
+        try:
+            fragment = decode_fragment(
+                blob,
+                expect={**expect, "context_digest": context_digest},
+                kv_heads=self.kv_heads,
+                head_dim=self.head_dim,
+                num_layers=self.num_layers,
+                dtype=self.model.dtype,
+            )
+            if fragment.token_ids != span.token_ids:
+                raise CorruptFragmentError("the fragment's tokens are not the memory text's")
+        except CorruptFragmentError as exc:
+            source.discard_fragment(span.record, variant, str(exc))
+            return None, "re-encoded"
+        return fragment, "store"
+
+    def _known_stored(self, span: FragmentSpan, context_digest: str) -> bool:
+        """Whether the span's record (if any) has its fragment in its store, remembering a yes."""
+        source = getattr(span.record, "fragment_source", None)
+        if source is None:
+            return True
+        variant = self._stored_identity(source, span.record, context_digest)[0]
+        known = self._stored.setdefault(source, set())
+        memo = (span.record.tenant, span.record.id, span.record.version, variant)
+        if memo in known:
+            return True
+        try:
+            if source.has_fragment(span.record, variant):
+                known.add(memo)
+                return True
+        except StoreError as exc:
+            logger.warning("cannot reach the store of memory %s: %s", span.record.id, exc)
+            return True  # nothing to do about it now; the text stays the source of truth
+        return False
+
+    def _keep_stored(self, span: FragmentSpan, fragment: Fragment) -> None:
+        source = getattr(span.record, "fragment_source", None)
+        if source is None:
+            return
+        variant, spec, metadata = self._stored_identity(source, span.record, fragment.context_digest)
+        try:
+            saved = source.save_fragment(span.record, variant, encode_fragment(fragment, spec, metadata))
+        except StoreError as exc:
+            logger.warning("cannot store the fragment of memory %s: %s", span.record.id, exc)
+            return
+        if saved:
+            self._stored.setdefault(source, set()).add((span.record.tenant, span.record.id, span.record.version, variant))
 
     @torch.inference_mode()
     def _place(self, cache: ShiftCache, spans: list[FragmentSpan], fragments: list[Fragment]) -> None:
@@ -492,7 +588,7 @@ class KVShiftEngine:
 
         first = new_spans[0].start
         self._prefill_exact(cache, ids, reused, first, logits="none")
-        fragments, hits = self._fetch_fragments(layout, new_spans)
+        fragments, origins = self._fetch_fragments(layout, new_spans)
         self._place(cache, new_spans, fragments)
         exact_until = min(exact_until, first)
         tail = layout.tail_start
@@ -520,23 +616,26 @@ class KVShiftEngine:
             logits = self._prefill_exact(cache, ids, tail, n)
         recomputed = torch.zeros(n, dtype=torch.bool)
         recomputed[chosen] = True
-        for span, hit in zip(new_spans, hits):
+        for span, origin in zip(new_spans, origins):
             kept = span.end - span.start - int(recomputed[span.start : span.end].sum())
-            if hit:
+            if origin in ("pool", "store"):
                 stats.fragments_hit += 1
+                stats.fragments_loaded += origin == "store"
                 stats.reused_tokens += kept
             else:
                 stats.fragments_missed += 1
+                stats.fragments_rejected += origin == "re-encoded"
                 stats.encoded_tokens += kept
         stats.recomputed_tokens = int(chosen.numel())
         stats.prefilled_tokens = (first - reused) + (n - tail)
         return _Prepared(cache, logits[-1], stats, exact_until)
 
     def _warm(self, layout: PromptLayout) -> int:
-        _, hits = self._fetch_fragments(layout, list(layout.fragments))
-        if all(hits):  # nothing was encoded, so the shared prefix may not be cached yet
+        _, origins = self._fetch_fragments(layout, list(layout.fragments))
+        encoded = sum(origin not in ("pool", "store") for origin in origins)
+        if not encoded:  # nothing was encoded, so the shared prefix may not be cached yet
             self._prefilled(layout.token_ids[: layout.prefix_length], 0)
-        return hits.count(False)
+        return encoded
 
     # ------------------------------------------------------------------ decoding and scoring
 

@@ -16,7 +16,8 @@ from __future__ import annotations
 import hashlib
 import secrets
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -38,6 +39,7 @@ class FragmentSpan:
     end: int
     text: str
     token_ids: tuple[int, ...]
+    record: Any = field(default=None, compare=False)  # the memory record it came from, when not plain text
 
 
 @dataclass(frozen=True)

@@ -28,8 +28,11 @@ class ReuseStats:
     :param recomputed_tokens: fragment tokens the blend recomputed in full context.
     :param encoded_tokens: fragment tokens encoded during this call (fragments not cached yet).
     :param prefilled_tokens: the other prompt tokens computed during this call.
-    :param fragments_hit: memories whose fragment was already cached.
+    :param fragments_hit: memories whose fragment was already cached (in this process or in a store).
     :param fragments_missed: memories encoded during this call.
+    :param fragments_loaded: of the hits, those fetched from a memory store's tier.
+    :param fragments_rejected: stored fragments refused (corrupt, or not matching the memory) and
+        re-encoded from text instead.
     :param recompute_ratio: the share of fragment tokens the blend was asked to recompute.
     :param fallback_reason: why the requested reuse was not applied, when it was not.
     """
@@ -44,6 +47,8 @@ class ReuseStats:
     prefilled_tokens: int = 0
     fragments_hit: int = 0
     fragments_missed: int = 0
+    fragments_loaded: int = 0
+    fragments_rejected: int = 0
     recompute_ratio: float = 0.0
     generated_tokens: int = 0
     decode_tokens_per_s: float = 0.0
