@@ -30,6 +30,7 @@ test: install
 bench: install
 	$(PY) benchmarks/ttft.py
 	$(PY) benchmarks/fidelity.py --robustness
+	$(PY) benchmarks/store.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache

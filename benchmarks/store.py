@@ -1,0 +1,207 @@
+"""What storing fragments costs: bytes per token, fetch time per tier, and fidelity per codec.
+
+Part 1, per codec (fp32, fp16, int8, int4) and memory size (512-4096 tokens of LoCoMo fragments,
+the memories of ``ttft.py``), stored as records of a :class:`MemoryStore`:
+
+- bytes per token of the stored blobs, and the ratio to fp32;
+- ``fetch``: reading the blobs from a tier and decoding them (checksum, shapes, dequantisation),
+  from the hot pool (this process's RAM), the disk tier (diskcache) and Redis;
+- time to first token of the same question with the fragments (a) already in the engine's
+  in-process pool and (b) fetched from the disk tier and decoded inside the call; ``added`` is
+  (b) - (a), what a cold fetch adds to TTFT; ``recompute`` is full recompute (``reuse="none"``).
+
+Part 2: KL(fp32 || codec) of the next-token distributions over the fp32 answer on the fidelity
+instances of ``fidelity.py`` (LoCoMo), with the default blend and with shift only (no recompute).
+
+Redis: ``--redis-url``, or a throwaway ``redis-server`` on 127.0.0.1 when one is installed.
+
+    python benchmarks/store.py              # ~15 min on 2 cores
+
+Prints tables and writes ``benchmarks/results/store.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent / "tests"))
+from benchdata import build_instances  # noqa: E402
+from fidelity import kl_and_top1  # noqa: E402
+from redis_server import RedisServer  # noqa: E402
+from ttft import QUESTION, memories_of  # noqa: E402
+
+from kvshift_memory import KVShiftEngine  # noqa: E402
+from kvshift_memory.embedding import MiniLMEmbedder  # noqa: E402
+from kvshift_memory.store import MemoryStore  # noqa: E402
+
+RESULTS = HERE / "results"
+CODECS = ("fp32", "fp16", "int8", "int4")
+TENANT = "bench"
+
+
+def fill(store: MemoryStore, engine: KVShiftEngine, texts: list[str]) -> list:
+    """Add ``texts`` as memories and encode their fragments into the store."""
+    records = [store.add(text, tenant=TENANT) for text in texts]
+    engine.clear_cache(prefixes=False)
+    engine.warm(records, QUESTION)
+    return records
+
+
+def fetch_seconds(engine: KVShiftEngine, store: MemoryStore, records: list, from_hot: bool) -> float:
+    """``warm`` with the engine's fragment pool empty: every blob is read from the store and decoded."""
+    engine.clear_cache(prefixes=False)
+    if not from_hot:
+        store.clear_cache()
+    started = time.perf_counter()
+    encoded = engine.warm(records, QUESTION)
+    seconds = time.perf_counter() - started
+    assert encoded == 0, "every fragment should have come from the store"
+    return seconds
+
+
+def ttft(engine: KVShiftEngine, records: list, reuse: str, cold_store: MemoryStore | None) -> float:
+    engine.clear_cache(fragments=cold_store is not None)
+    if cold_store is not None:
+        cold_store.clear_cache()
+    result = engine.generate(QUESTION, records, reuse=reuse, max_new_tokens=1)
+    if cold_store is not None:
+        assert result.stats.fragments_loaded == len(records), result.stats
+    return result.stats.ttft_s
+
+
+def part_sizes(engine, embedder, sizes, repeats, redis_url, report) -> None:
+    pool = [m for instance in build_instances(60, engine.count_tokens, seed=11) for m in instance.memories]
+    pool = list(dict.fromkeys(pool))
+    print(f"{'codec':>6} {'tokens':>6} {'B/token':>8} {'x fp32':>6} {'hot':>8} {'disk':>8} {'redis':>8}"
+          f" {'ttft pool':>9} {'ttft disk':>9} {'added':>7} {'recompute':>9}")
+    with tempfile.TemporaryDirectory() as folder:
+        for codec in CODECS:
+            disk = MemoryStore(Path(folder) / codec, embedder=embedder, codec=codec, index_url=":memory:")
+            redis = MemoryStore(kv_url=redis_url, embedder=embedder, codec=codec) if redis_url else None
+            for size in sizes:
+                texts = memories_of(engine, size, pool)
+                before = disk.stats()["fragment_bytes"]
+                disk_records = fill(disk, engine, texts)
+                tokens = sum(engine.count_tokens(t) for t in texts)
+                blob_bytes = disk.stats()["fragment_bytes"] - before
+                row = {"tokens": tokens, "bytes_per_token": blob_bytes / tokens}
+                redis_records = fill(redis, engine, texts) if redis else None
+                runs: dict[str, list[float]] = {k: [] for k in ("hot", "disk", "redis", "pool", "cold", "none")}
+                for repeat in range(repeats + 1):
+                    measured = {
+                        "hot": fetch_seconds(engine, disk, disk_records, from_hot=True),
+                        "disk": fetch_seconds(engine, disk, disk_records, from_hot=False),
+                        "redis": fetch_seconds(engine, redis, redis_records, from_hot=False) if redis else float("nan"),
+                        "pool": ttft(engine, disk_records, "blend", None),
+                        "cold": ttft(engine, disk_records, "blend", disk),
+                        "none": ttft(engine, disk_records, "none", None),
+                    }
+                    if repeat:
+                        for key, value in measured.items():
+                            runs[key].append(value)
+                medians = {k: statistics.median(v) for k, v in runs.items()}
+                row.update(median_s=medians, runs_s=runs, repeats=repeats, added_ttft_s=medians["cold"] - medians["pool"])
+                report["sizes"].setdefault(codec, {})[str(size)] = row
+                fp32 = report["sizes"]["fp32"][str(size)]["bytes_per_token"]
+                row["ratio_to_fp32"] = row["bytes_per_token"] / fp32
+                print(
+                    f"{codec:>6} {tokens:>6} {row['bytes_per_token']:>8.0f} {row['ratio_to_fp32']:>6.3f}"
+                    f" {medians['hot'] * 1e3:>6.0f}ms {medians['disk'] * 1e3:>6.0f}ms {medians['redis'] * 1e3:>6.0f}ms"
+                    f" {medians['pool']:>8.3f}s {medians['cold']:>8.3f}s {row['added_ttft_s'] * 1e3:>5.0f}ms"
+                    f" {medians['none']:>8.3f}s",
+                    flush=True,
+                )
+            disk.close()
+            if redis:
+                redis.close()
+
+
+def part_fidelity(engine, embedder, count, report) -> None:
+    instances = build_instances(count, engine.count_tokens, seed=2)
+    conditions = {"blend": None, "shift": 0.0}
+    scores: dict[str, dict[str, list[tuple[float, float]]]] = {c: {k: [] for k in CODECS[1:]} for c in conditions}
+    for index, instance in enumerate(instances):
+        reference_answer = engine.generate(instance.question, list(instance.memories), reuse="none", max_new_tokens=32)
+        continuation = reference_answer.token_ids or [sorted(engine.eos_token_ids)[0]]
+        for condition, ratio in conditions.items():
+            engine.clear_cache()
+            reference = engine.score(instance.question, list(instance.memories), continuation, reuse="blend",
+                                     recompute_ratio=ratio, return_distributions=True).distributions
+            for codec in CODECS[1:]:
+                store = MemoryStore(kv_url="memory://", embedder=embedder, codec=codec, index_url=":memory:")
+                records = fill(store, engine, list(instance.memories))
+                engine.clear_cache()
+                result = engine.score(instance.question, records, continuation, reuse="blend", recompute_ratio=ratio,
+                                      return_distributions=True)
+                assert result.stats.fragments_loaded == len(records), result.stats
+                scores[condition][codec].append(kl_and_top1(reference, result.distributions))
+                store.close()
+        print(f"  instance {index + 1}/{len(instances)}", flush=True)
+    print(f"\n{'codec':>6} " + " ".join(f"{c + ' KL':>12} {c + ' top1':>11}" for c in conditions))
+    summary = {}
+    for codec in CODECS[1:]:
+        summary[codec] = {
+            c: {"mean_kl": statistics.fmean(k for k, _ in scores[c][codec]),
+                "top1": statistics.fmean(t for _, t in scores[c][codec])}
+            for c in conditions
+        }
+        print(f"{codec:>6} " + " ".join(f"{summary[codec][c]['mean_kl']:>12.5f} {summary[codec][c]['top1']:>11.3f}"
+                                        for c in conditions))
+    report["fidelity"] = {"instances": len(instances), "against": "fp32 fragments, same reuse", "codecs": summary}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sizes", default="512,1024,2048,4096")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--instances", type=int, default=20)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--redis-url", default=None, help="default: start a throwaway redis-server")
+    parser.add_argument("--skip", choices=("sizes", "fidelity"), default=None)
+    parser.add_argument("--output", type=Path, default=RESULTS / "store.json")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    engine = KVShiftEngine.from_pretrained()
+    embedder = MiniLMEmbedder()
+    # a run of one part keeps the other part's results from an earlier run in the same file
+    report = json.loads(args.output.read_text()) if args.skip and args.output.exists() else {}
+    command = " ".join(["python", *sys.argv])
+    report.update({
+        "model": "SmolLM2-135M-Instruct (bundled, fp32)",
+        "threads": args.threads,
+        "recompute_ratio": engine.settings.recompute_ratio,
+        "machine": f"{platform.machine()} {platform.processor() or ''} torch {torch.__version__}",
+    })
+    with contextlib.ExitStack() as stack:
+        redis_url = args.redis_url
+        if redis_url is None:
+            try:
+                redis_url = stack.enter_context(RedisServer()).url
+            except RuntimeError as exc:
+                print(f"no Redis column: {exc}")
+        if args.skip != "sizes":
+            report["sizes"] = {}
+            part_sizes(engine, embedder, [int(s) for s in args.sizes.split(",")], args.repeats, redis_url, report)
+            report["sizes_command"] = command
+        if args.skip != "fidelity":
+            part_fidelity(engine, embedder, args.instances, report)
+            report["fidelity_command"] = command
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(json.dumps(report, indent=1))
+    print(f"\nwrote {args.output}")
+
+
+if __name__ == "__main__":
+    main()
