@@ -13,9 +13,13 @@ the memories of ``ttft.py``), stored as records of a :class:`MemoryStore`:
 Part 2: KL(fp32 || codec) of the next-token distributions over the fp32 answer on the fidelity
 instances of ``fidelity.py`` (LoCoMo), with the default blend and with shift only (no recompute).
 
+Part 3: the embedded store as it grows (LoCoMo dialogue turns, one memory each): time per add,
+and search latency with the index folder held open and reopened (after ``index_hold_s``).
+
 Redis: ``--redis-url``, or a throwaway ``redis-server`` on 127.0.0.1 when one is installed.
 
-    python benchmarks/store.py              # ~15 min on 2 cores
+    python benchmarks/store.py                  # ~35 min on 2 cores
+    python benchmarks/store.py --parts search   # one part; the others keep their results
 
 Prints tables and writes ``benchmarks/results/store.json``.
 """
@@ -37,7 +41,7 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "tests"))
-from benchdata import build_instances  # noqa: E402
+from benchdata import build_instances, locomo_dir  # noqa: E402
 from fidelity import kl_and_top1  # noqa: E402
 from redis_server import RedisServer  # noqa: E402
 from ttft import QUESTION, memories_of  # noqa: E402
@@ -162,6 +166,57 @@ def part_fidelity(engine, embedder, count, report) -> None:
     report["fidelity"] = {"instances": len(instances), "against": "fp32 fragments, same reuse", "codecs": summary}
 
 
+def locomo_turns(limit: int) -> list[str]:
+    """The first ``limit`` dialogue turns of LoCoMo, as ``Speaker: text`` lines."""
+    conversations = json.loads((locomo_dir() / "locomo10.json").read_text())
+    turns = []
+    for conversation in conversations:
+        session = 1
+        while f"session_{session}" in conversation["conversation"]:
+            turns.extend(f"{t['speaker']}: {t['text']}" for t in conversation["conversation"][f"session_{session}"])
+            session += 1
+    return turns[:limit]
+
+
+def part_search(embedder, sizes, repeats, report) -> None:
+    """Search latency of the embedded store (disk tier + local Qdrant folder) as it grows."""
+    turns = locomo_turns(max(sizes))
+    queries = [f"What did {name} say about {topic}?" for name in ("Caroline", "Melanie", "Jon", "Gina")
+               for topic in ("painting", "the conference", "her family", "running")]
+    print(f"\n{'memories':>8} {'add':>8} {'search, folder held':>20} {'search, folder reopened':>24} {'embed':>7}")
+    rows = {}
+    with tempfile.TemporaryDirectory() as folder:
+        store = MemoryStore(Path(folder) / "s", embedder=embedder)
+        added = 0
+        for size in sizes:
+            started = time.perf_counter()
+            for text in turns[added:size]:
+                store.add(text, tenant=TENANT)
+            add_s = (time.perf_counter() - started) / max(size - added, 1)
+            added = size
+            store.search("warm up the index", tenant=TENANT)
+            held, reopened, embed = [], [], []
+            for query in queries[: repeats * 3]:
+                started = time.perf_counter()
+                store.search(query, tenant=TENANT)
+                held.append(time.perf_counter() - started)
+                store.index.close()  # what a search pays after the hold has expired
+                started = time.perf_counter()
+                store.search(query, tenant=TENANT)
+                reopened.append(time.perf_counter() - started)
+                started = time.perf_counter()
+                embedder.embed([query])
+                embed.append(time.perf_counter() - started)
+            row = {"add_s": add_s, "search_held_s": statistics.median(held),
+                   "search_reopened_s": statistics.median(reopened), "embed_s": statistics.median(embed)}
+            rows[str(size)] = row
+            print(f"{size:>8} {add_s * 1e3:>6.1f}ms {row['search_held_s'] * 1e3:>18.1f}ms"
+                  f" {row['search_reopened_s'] * 1e3:>22.1f}ms {row['embed_s'] * 1e3:>5.1f}ms", flush=True)
+        store.close()
+    report["search"] = {"memories": "LoCoMo dialogue turns, one memory each", "queries": len(queries[: repeats * 3]),
+                        "sizes": rows}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", default="512,1024,2048,4096")
@@ -169,14 +224,16 @@ def main() -> None:
     parser.add_argument("--instances", type=int, default=20)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--redis-url", default=None, help="default: start a throwaway redis-server")
-    parser.add_argument("--skip", choices=("sizes", "fidelity"), default=None)
+    parser.add_argument("--parts", default="sizes,fidelity,search", help="which parts to run (others keep their results)")
+    parser.add_argument("--search-sizes", default="500,2000,5000")
     parser.add_argument("--output", type=Path, default=RESULTS / "store.json")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     engine = KVShiftEngine.from_pretrained()
     embedder = MiniLMEmbedder()
-    # a run of one part keeps the other part's results from an earlier run in the same file
-    report = json.loads(args.output.read_text()) if args.skip and args.output.exists() else {}
+    parts = set(args.parts.split(","))
+    # a run of some parts keeps the other parts' results from an earlier run in the same file
+    report = json.loads(args.output.read_text()) if args.output.exists() else {}
     command = " ".join(["python", *sys.argv])
     report.update({
         "model": "SmolLM2-135M-Instruct (bundled, fp32)",
@@ -191,13 +248,16 @@ def main() -> None:
                 redis_url = stack.enter_context(RedisServer()).url
             except RuntimeError as exc:
                 print(f"no Redis column: {exc}")
-        if args.skip != "sizes":
+        if "sizes" in parts:
             report["sizes"] = {}
             part_sizes(engine, embedder, [int(s) for s in args.sizes.split(",")], args.repeats, redis_url, report)
             report["sizes_command"] = command
-        if args.skip != "fidelity":
+        if "fidelity" in parts:
             part_fidelity(engine, embedder, args.instances, report)
             report["fidelity_command"] = command
+        if "search" in parts:
+            part_search(embedder, [int(s) for s in args.search_sizes.split(",")], args.repeats, report)
+            report["search_command"] = command
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(report, indent=1))
     print(f"\nwrote {args.output}")

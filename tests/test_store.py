@@ -201,7 +201,7 @@ def test_bad_input_is_refused_clearly_and_loses_nothing(make_store):
 
 
 def test_constructor_refuses_bad_settings(tmp_path, embedder):
-    for options in ({}, {"codec": "int3"}, {"group_size": 3}, {"hot_bytes": -1}):
+    for options in ({}, {"codec": "int3"}, {"group_size": 3}, {"hot_bytes": -1}, {"index_hold_s": -1}):
         with pytest.raises(InvalidInputError):
             MemoryStore(**({"path": tmp_path} if options else {}), embedder=embedder, **options)
     with pytest.raises(InvalidInputError):
@@ -218,3 +218,16 @@ def test_damaged_records_are_reported_not_served(make_store):
     assert store.get(record.id, tenant="alice") is None
     report = store.check()
     assert not report.ok and any(record.id in problem for problem in report.problems)
+
+
+def test_two_stores_on_one_folder_share_the_index(tmp_path, embedder):
+    """Qdrant's local mode admits one client per folder: stores of one process share it."""
+    first = MemoryStore(tmp_path / "s", embedder=embedder, index_hold_s=0.3)
+    second = MemoryStore(tmp_path / "s", embedder=embedder, index_hold_s=0.3)
+    record = first.add("The spare key is under the blue pot.", tenant="alice")
+    assert first.search("where is the key", tenant="alice", k=1)[0].id == record.id
+    assert second.search("where is the key", tenant="alice", k=1)[0].id == record.id
+    second.supersede(record.id, "The spare key is with the neighbour.", tenant="alice")
+    assert first.search("where is the key", tenant="alice", k=1)[0].text == "The spare key is with the neighbour."
+    first.close()
+    second.close()

@@ -10,8 +10,9 @@ and an add never waits for the index.
 Locations:
 
 - a folder (the embedded default): ``QdrantClient(path=...)``. Qdrant's local mode lets one
-  client at a time open a folder, so this index opens it for one sync-and-search under an
-  inter-process file lock and closes it after; processes sharing a store folder take turns.
+  client at a time open a folder, so this index opens it under an inter-process file lock, keeps
+  it for ``hold_s`` after the last operation (a burst of searches pays for one open) and then
+  closes it; processes sharing a store folder take turns.
 - ``http(s)://…``: a Qdrant server, for many processes and machines (DESIGN §8).
 - ``:memory:``: a process-local index, rebuilt from the log on first use.
 """
@@ -21,8 +22,10 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import threading
 import time
 import uuid
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
@@ -67,47 +70,47 @@ class QdrantIndex:
     :param location: a folder, an ``http(s)://`` URL or ``":memory:"``.
     :param dimension: the embedder's vector size; ``embedder_name`` is recorded and checked so
         vectors of two different embedders are never compared.
+    :param hold_s: how long a folder stays open (and locked to this process) after an operation.
     :raises StoreError: the location cannot be opened, or holds vectors of another embedder.
     """
 
-    def __init__(self, location: str | os.PathLike, dimension: int, embedder_name: str) -> None:
+    def __init__(self, location: str | os.PathLike, dimension: int, embedder_name: str, *, hold_s: float = 1.0) -> None:
         self.location = os.fspath(location)
         self.dimension = dimension
         self.embedder_name = embedder_name
         self._remote = self.location.startswith(("http://", "https://"))
-        self._in_process = self.location == ":memory:"
-        self._client = None
-        self._lock = None
-        if not (self._remote or self._in_process):
-            os.makedirs(self.location, exist_ok=True)
-            self._lock = FileLock(os.path.join(self.location, ".kvshift.lock"))
+        self._client = None  # a server's or an in-process index's client
+        self._lease: _FolderLease | None = None
+        self._mutex = threading.RLock()
+        self._verified = None  # the client this index last checked its collections in
+        if not (self._remote or self.location == ":memory:"):
+            self._lease = _FolderLease.of(self.location, hold_s)
 
     # ---------------------------------------------------------------- sessions
 
     @contextlib.contextmanager
     def _session(self) -> Iterator:
-        """A client for one operation: for a folder, opened under the file lock and closed after."""
+        """The client for one operation (for a folder, lent by the folder's lease)."""
+        if self._lease is not None:
+            with self._lease.client() as client:
+                self._verify(client)
+                yield client
+            return
         from qdrant_client import QdrantClient
 
-        if self._lock is None:
+        with self._mutex:
             if self._client is None:
                 try:
                     self._client = QdrantClient(url=self.location) if self._remote else QdrantClient(":memory:")
                 except Exception as exc:  # qdrant-client raises many types for one "cannot connect"
                     raise StoreError(f"cannot open the Qdrant index at {self.location}: {exc}") from exc
-                self._ensure_collections(self._client)
+            self._verify(self._client)
             yield self._client
-            return
-        with self._lock:
-            try:
-                client = QdrantClient(path=self.location)
-            except Exception as exc:
-                raise StoreError(f"cannot open the Qdrant index folder {self.location}: {exc}") from exc
-            try:
-                self._ensure_collections(client)
-                yield client
-            finally:
-                client.close()
+
+    def _verify(self, client) -> None:
+        if self._verified is not client:
+            self._ensure_collections(client)
+            self._verified = client
 
     def _ensure_collections(self, client) -> None:
         from qdrant_client import models
@@ -252,9 +255,12 @@ class QdrantIndex:
             return {"applied": 0, "pending": []}  # replaying the whole log is always correct
 
     def close(self) -> None:
-        if self._client is not None:
-            self._client.close()
-            self._client = None
+        if self._lease is not None:
+            self._lease.release()
+        with self._mutex:
+            if self._client is not None:
+                self._client.close()
+                self._client = None
 
 
 class _Batch:
@@ -297,3 +303,70 @@ class _Batch:
     def __exit__(self, *exc: object) -> None:
         if exc[0] is None:
             self.flush()
+
+
+class _FolderLease:
+    """This process's turn at one local Qdrant folder, shared by every index opened on it here.
+
+    Qdrant's local mode admits one client per folder, across processes (a file lock) and within
+    one (a thread lock). The folder stays open for ``hold_s`` after the last operation, so a burst
+    of searches opens it once; then it is closed and another process may take it.
+    """
+
+    _leases: weakref.WeakValueDictionary[str, _FolderLease] = weakref.WeakValueDictionary()
+    _registry_lock = threading.Lock()
+
+    @classmethod
+    def of(cls, folder: str, hold_s: float) -> _FolderLease:
+        path = os.path.realpath(folder)
+        with cls._registry_lock:
+            lease = cls._leases.get(path)
+            if lease is None:
+                lease = cls._leases[path] = cls(path, hold_s)
+            return lease
+
+    def __init__(self, path: str, hold_s: float) -> None:
+        os.makedirs(path, exist_ok=True)
+        self.path = path
+        self.hold_s = hold_s
+        # released by a timer thread, so not a per-thread lock
+        self._file_lock = FileLock(os.path.join(path, ".kvshift.lock"), thread_local=False)
+        self._mutex = threading.RLock()
+        self._client = None
+        self._timer: threading.Timer | None = None
+
+    @contextlib.contextmanager
+    def client(self) -> Iterator:
+        from qdrant_client import QdrantClient
+
+        with self._mutex:
+            if self._timer is not None:
+                self._timer.cancel()
+                self._timer = None
+            if self._client is None:
+                self._file_lock.acquire()
+                try:
+                    self._client = QdrantClient(path=self.path)
+                except Exception as exc:  # qdrant-client raises many types for one "cannot open"
+                    self._file_lock.release()
+                    raise StoreError(f"cannot open the Qdrant index folder {self.path}: {exc}") from exc
+            try:
+                yield self._client
+            finally:
+                if self.hold_s > 0:
+                    self._timer = threading.Timer(self.hold_s, self.release)
+                    self._timer.daemon = True
+                    self._timer.start()
+                else:
+                    self.release()
+
+    def release(self) -> None:
+        """Close the folder now and let other processes have it."""
+        with self._mutex:
+            if self._timer is not None:
+                self._timer.cancel()
+                self._timer = None
+            if self._client is not None:
+                self._client.close()
+                self._client = None
+                self._file_lock.release()

@@ -26,7 +26,6 @@ import math
 import os
 import re
 import struct
-import threading
 import time
 import uuid
 from collections.abc import Sequence
@@ -103,6 +102,10 @@ class MemoryStore:
     :param codec: how fragments are stored: ``int8`` (default, see the README's store benchmark),
         ``int4``, ``fp16`` or ``fp32``; ``group_size`` is int4's.
     :param hot_bytes: bound on the fragment blobs this process keeps in RAM in front of the tier.
+    :param index_hold_s: an index folder stays open this long after a search, so a burst of
+        searches opens it once (39 ms a search instead of 124 ms at 2000 memories, README); meanwhile
+        another process sharing the folder waits. Stores of one process share a folder's client
+        (the first one opened sets the hold).
     :raises InvalidInputError: bad arguments; ``StoreError``: a backend cannot be opened.
     """
 
@@ -116,6 +119,7 @@ class MemoryStore:
         codec: str = "int8",
         group_size: int = 32,
         hot_bytes: int = 256 << 20,
+        index_hold_s: float = 2.0,
     ) -> None:
         if path is None and kv_url is None:
             raise InvalidInputError("give a folder (MemoryStore(path)) or a kv_url")
@@ -126,6 +130,8 @@ class MemoryStore:
         if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 2 or group_size % 2:
             raise InvalidInputError(f"group_size must be an even int >= 2, got {group_size!r}")
         inputs.check_non_negative_int(hot_bytes, "hot_bytes")
+        if isinstance(index_hold_s, bool) or not isinstance(index_hold_s, (int, float)) or not 0 <= index_hold_s <= 3600:
+            raise InvalidInputError(f"index_hold_s must be a number of seconds in [0, 3600], got {index_hold_s!r}")
         self.codec, self.group_size = codec, group_size
         if path is not None:
             Path(path).mkdir(parents=True, exist_ok=True)
@@ -137,8 +143,7 @@ class MemoryStore:
             embedder = MiniLMEmbedder()
         self.embedder = embedder
         location = index_url if index_url is not None else (Path(path) / "index" if path is not None else ":memory:")
-        self.index = QdrantIndex(location, int(embedder.dimension), str(embedder.name))
-        self._index_lock = threading.Lock()
+        self.index = QdrantIndex(location, int(embedder.dimension), str(embedder.name), hold_s=float(index_hold_s))
         self.corrupt_fragments = 0
 
     # ---------------------------------------------------------------- public API
@@ -203,8 +208,7 @@ class MemoryStore:
             raise InvalidInputError(f"k must be at most {MAX_SEARCH_K}, got {k}")
         vector = self.embedder.embed([query])[0]
         # a few extra candidates: expired memories stay indexed until gc() and are skipped here
-        with self._index_lock:
-            hits = self.index.search(vector, tenant, session_id, k + 16, self._read_log, self._index_state)
+        hits = self.index.search(vector, tenant, session_id, k + 16, self._read_log, self._index_state)
         found = []
         for hit in hits:
             record = self._live(tenant, hit.memory_id)
@@ -382,9 +386,8 @@ class MemoryStore:
                 self.tier.delete(key)
                 self._hot.delete(key)
                 report.repaired.append(f"{problem} (dropped; re-encoded from text on next use)")
-        with self._index_lock:
-            strays = self.index.rebuild(iter(live_ids), self._index_state)
-            self.index.sync(self._read_log, self._index_state)
+        strays = self.index.rebuild(iter(live_ids), self._index_state)
+        self.index.sync(self._read_log, self._index_state)
         if strays:
             report.problems.append(f"index held {strays} points of no memory")
             report.repaired.append(f"removed {strays} stray index points")
