@@ -208,6 +208,9 @@ def test_constructor_refuses_bad_settings(tmp_path, embedder):
         MemoryStore(kv_url="ftp://x", embedder=embedder)
     with pytest.raises(StoreError):
         MemoryStore(kv_url="redis://127.0.0.1:1/0", embedder=embedder)
+    (tmp_path / "a-file").write_text("not a folder")
+    with pytest.raises(StoreError, match="store folder"):
+        MemoryStore(tmp_path / "a-file", embedder=embedder)
 
 
 def test_damaged_records_are_reported_not_served(make_store):

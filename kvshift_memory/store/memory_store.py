@@ -134,7 +134,10 @@ class MemoryStore:
             raise InvalidInputError(f"index_hold_s must be a number of seconds in [0, 3600], got {index_hold_s!r}")
         self.codec, self.group_size = codec, group_size
         if path is not None:
-            Path(path).mkdir(parents=True, exist_ok=True)
+            try:
+                Path(path).mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                raise StoreError(f"cannot use {os.fspath(path)!r} as a store folder: {exc}") from exc
         self.tier: KVTier = open_tier(kv_url if kv_url is not None else Path(path) / "kv")
         self._hot = HotTier(hot_bytes)
         if embedder is None:
