@@ -12,8 +12,6 @@ from ..exceptions import StoreError
 
 __all__ = ["MemoryRecord", "text_hash"]
 
-STATUSES = ("live", "superseded", "deleted")
-
 
 def text_hash(text: str) -> str:
     """The ``source_text_hash`` of a memory text: a fragment is only ever used for the text it was computed from."""
