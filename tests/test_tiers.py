@@ -38,12 +38,6 @@ def test_get_set_delete(tier):
     assert tier.get("a") is None
 
 
-def test_add_writes_only_when_absent(tier):
-    assert tier.add("k", b"first") is True
-    assert tier.add("k", b"second") is False
-    assert tier.get("k") == b"first"
-
-
 def test_compare_and_set(tier):
     assert tier.compare_and_set("h", None, b"v1") is True
     assert tier.compare_and_set("h", None, b"v1") is False  # no longer absent

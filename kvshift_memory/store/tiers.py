@@ -7,7 +7,7 @@
   operation below atomic across processes.
 - :class:`RedisTier`: ``redis://`` for processes and machines sharing one memory.
 
-Keys are ``str``, values ``bytes``. The store only needs: read, write, write-if-absent,
+Keys are ``str``, values ``bytes``. The store only needs: read, write,
 compare-and-set, delete, a counter, an append-only log and a prefix scan. Every one of them is
 atomic on its own, so no process holds a lock that another would wait on.
 """
@@ -48,9 +48,6 @@ class KVTier(Protocol):
     def contains(self, key: str) -> bool: ...
 
     def set(self, key: str, value: bytes) -> None: ...
-
-    def add(self, key: str, value: bytes) -> bool:
-        """Write only if ``key`` is absent; ``True`` when written."""
 
     def compare_and_set(self, key: str, expected: bytes | None, value: bytes | None) -> bool:
         """Replace the value if it is ``expected`` (``None``: absent); ``value`` ``None`` deletes."""
@@ -108,13 +105,6 @@ class HotTier:
                     self._blob_total -= size
                     del self._data[evicted]
             self._data[key] = _as_bytes(value)
-
-    def add(self, key: str, value: bytes) -> bool:
-        with self._lock:
-            if key in self._data:
-                return False
-            self.set(key, value)
-            return True
 
     def compare_and_set(self, key: str, expected: bytes | None, value: bytes | None) -> bool:
         with self._lock:
@@ -223,9 +213,6 @@ class DiskTier:
     def set(self, key: str, value: bytes) -> None:
         self._cache.set(key, _as_bytes(value), retry=True)
 
-    def add(self, key: str, value: bytes) -> bool:
-        return self._cache.add(key, _as_bytes(value), retry=True)
-
     def compare_and_set(self, key: str, expected: bytes | None, value: bytes | None) -> bool:
         with self._cache.transact(retry=True):
             if self.get(key) != expected:
@@ -313,9 +300,6 @@ class RedisTier:
 
     def set(self, key: str, value: bytes) -> None:
         self._call("set", key, _as_bytes(value))
-
-    def add(self, key: str, value: bytes) -> bool:
-        return bool(self._call("set", key, _as_bytes(value), nx=True))
 
     def compare_and_set(self, key: str, expected: bytes | None, value: bytes | None) -> bool:
         args = ["1" if expected is None else "0", expected or b"", "1" if value is None else "0", value or b""]
