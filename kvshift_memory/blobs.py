@@ -16,9 +16,9 @@ import json
 import struct
 import zlib
 
-from .exceptions import CorruptFragmentError
+from .exceptions import CorruptFragmentError, InvalidInputError
 
-__all__ = ["CHECKSUM_KEY", "CODECS", "blob_checksum", "read_header", "verify_blob"]
+__all__ = ["CHECKSUM_KEY", "CODECS", "blob_checksum", "check_codec", "codec_label", "read_header", "verify_blob"]
 
 CHECKSUM_KEY = "checksum"
 #: fragment codecs, named here so the store can check a setting without importing the codec (torch)
@@ -27,6 +27,22 @@ CODECS = ("fp32", "fp16", "int8", "int4")
 # fragment set is ~48 MB, and its check sits inside the time to first token.
 _ALGORITHM = "crc32"
 _MAX_HEADER_BYTES = 16 << 20
+
+
+def check_codec(name: object, group_size: object) -> None:
+    """A codec setting: one of :data:`CODECS`, and ``int4``'s group size an even int >= 2.
+
+    :raises InvalidInputError: otherwise.
+    """
+    if name not in CODECS:
+        raise InvalidInputError(f"codec must be one of {CODECS}, got {name!r}")
+    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 2 or group_size % 2:
+        raise InvalidInputError(f"group_size must be an even int >= 2, got {group_size!r}")
+
+
+def codec_label(name: str, group_size: int) -> str:
+    """How a codec setting is named in keys and reports (``int4-g32``: the group size matters)."""
+    return f"int4-g{group_size}" if name == "int4" else name
 
 
 def read_header(blob: bytes | memoryview) -> tuple[dict, dict[str, str], int]:

@@ -26,7 +26,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
-from ..blobs import CHECKSUM_KEY, CODECS, blob_checksum, verify_blob
+from ..blobs import CHECKSUM_KEY, CODECS, blob_checksum, check_codec, codec_label, verify_blob
 from ..exceptions import CorruptFragmentError, InvalidInputError
 from .fragment import Fragment
 
@@ -50,15 +50,11 @@ class CodecSpec:
     group_size: int = 32
 
     def __post_init__(self) -> None:
-        if self.name not in CODECS:
-            raise InvalidInputError(f"codec must be one of {CODECS}, got {self.name!r}")
-        size = self.group_size
-        if isinstance(size, bool) or not isinstance(size, int) or size < 2 or size % 2:
-            raise InvalidInputError(f"group_size must be an even int >= 2, got {size!r}")
+        check_codec(self.name, self.group_size)
 
     @property
     def label(self) -> str:
-        return f"int4-g{self.group_size}" if self.name == "int4" else self.name
+        return codec_label(self.name, self.group_size)
 
 
 def encode_fragment(fragment: Fragment, spec: CodecSpec, metadata: dict[str, str] | None = None) -> bytes:

@@ -35,7 +35,7 @@ from typing import Any
 from urllib.parse import quote, unquote
 
 from .. import inputs
-from ..blobs import CODECS, read_header, verify_blob
+from ..blobs import check_codec, codec_label, read_header, verify_blob
 from ..exceptions import CorruptFragmentError, InvalidInputError, MemoryNotFoundError, StoreError, VersionConflictError
 from .index import IndexedState, QdrantIndex
 from .records import MemoryRecord, text_hash
@@ -125,10 +125,7 @@ class MemoryStore:
             raise InvalidInputError("give a folder (MemoryStore(path)) or a kv_url")
         if path is not None and not isinstance(path, (str, os.PathLike)):
             raise InvalidInputError(f"path must be a folder path, got {type(path).__name__}")
-        if codec not in CODECS:
-            raise InvalidInputError(f"codec must be one of {CODECS}, got {codec!r}")
-        if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 2 or group_size % 2:
-            raise InvalidInputError(f"group_size must be an even int >= 2, got {group_size!r}")
+        check_codec(codec, group_size)
         inputs.check_non_negative_int(hot_bytes, "hot_bytes")
         if isinstance(index_hold_s, bool) or not isinstance(index_hold_s, (int, float)) or not 0 <= index_hold_s <= 3600:
             raise InvalidInputError(f"index_hold_s must be a number of seconds in [0, 3600], got {index_hold_s!r}")
@@ -402,7 +399,7 @@ class MemoryStore:
         out: dict[str, Any] = {
             "kv_url": self.tier.url,
             "index": self.index.location,
-            "codec": self.codec if self.codec != "int4" else f"int4-g{self.group_size}",
+            "codec": codec_label(self.codec, self.group_size),
             "memories": 0,
             "deleted": 0,
             "versions": 0,
