@@ -278,7 +278,7 @@ class MemoryStore:
             record = self._read_record(tenant, memory_id, version)
             if record is not None:
                 versions.append(replace(record, status="superseded", fragment_source=self))
-        return [*versions, live]
+        return [*versions, self._with_access(live)]
 
     def find_by_hash(self, source_text_hash: str, *, tenant: str) -> MemoryRecord | None:
         """The live memory of ``tenant`` whose text has this hash (the path text -> fragment), or ``None``."""
@@ -289,7 +289,9 @@ class MemoryStore:
         if raw is None:
             return None
         record = self._live(tenant, raw.decode("utf-8", "replace"))
-        return record if record is not None and record.source_text_hash == source_text_hash else None
+        if record is None or record.source_text_hash != source_text_hash:
+            return None
+        return self._with_access(record)
 
     def gc(self, *, keep_model_fingerprint: str | None = None) -> GCReport:
         """Free what no live memory uses.
@@ -311,7 +313,7 @@ class MemoryStore:
                 continue
             live = None if head["deleted"] else self._read_record(tenant, memory_id, head["v"])
             if head["deleted"] or (live is not None and live.is_expired(now)):
-                self._erase(tenant, memory_id, head, report)
+                heads[(tenant, memory_id)] = self._erase(tenant, memory_id, head, report)
         for prefix in ("r/", "e/", BLOB_PREFIX):
             for key in list(self.tier.scan(prefix)):
                 parts = _split(key)
@@ -550,14 +552,13 @@ class MemoryStore:
         record = self._read_record(tenant, memory_id, head["v"])
         if record is None or record.is_expired(time.time()):
             return None
-        count = self.tier.get(_k("ac", tenant, memory_id))
-        last = self.tier.get(_k("al", tenant, memory_id))
-        return replace(
-            record,
-            access_count=int(count) if count and count.isdigit() else 0,
-            last_access=_float_or_none(last),
-            fragment_source=self,
-        )
+        return replace(record, fragment_source=self)
+
+    def _with_access(self, record: MemoryRecord) -> MemoryRecord:
+        """``record`` with its access count and last access, read but not counted as an access."""
+        count = self.tier.get(_k("ac", record.tenant, record.id))
+        last = self.tier.get(_k("al", record.tenant, record.id))
+        return replace(record, access_count=int(count) if count and count.isdigit() else 0, last_access=_float_or_none(last))
 
     def _touch(self, record: MemoryRecord) -> MemoryRecord:
         now = time.time()
@@ -580,18 +581,16 @@ class MemoryStore:
             return IndexedState(head["v"], None, None)
         return IndexedState(head["v"], record.session_id, vector)
 
-    def _erase(self, tenant: str, memory_id: str, head: dict, report: GCReport) -> None:
-        for prefix in ("r", "e"):
-            for version in range(1, head["v"] + 1):
-                self._free(_k(prefix, tenant, memory_id, version), report)
-        for key in list(self.tier.scan(_k("f", tenant, memory_id) + "/")):
-            self._free(key, report)
+    def _erase(self, tenant: str, memory_id: str, head: dict, report: GCReport) -> dict:
+        """Tombstone a memory and return its new head; gc's one scan of records, vectors and blobs
+        then frees the rest of its data (and frees it on the next gc, if this one is interrupted)."""
         for key in (_k("ac", tenant, memory_id), _k("al", tenant, memory_id)):
             self._free(key, report)
         self.tier.append(_LOG, _log_entry(tenant, memory_id))
         # the tombstone stays: it tells every index to drop the point, and ids are never reused
         self.tier.set(_k("h", tenant, memory_id), _head(head["v"], deleted=True, erased=True))
         report.erased_memories += 1
+        return {"v": head["v"], "deleted": True, "erased": True}
 
     def _free(self, key: str, report: GCReport) -> None:
         raw = self.tier.get(key) if key.startswith(BLOB_PREFIX) else None
