@@ -51,7 +51,7 @@ def test_rebuild_drops_points_of_no_memory(tmp_path):
     log.add("a", "m2")
     index.sync(log.read, lambda t, m: states.get((t, m)))
     assert index.count() == 2
-    assert index.rebuild(iter([("a", "m1")]), lambda t, m: states.get((t, m))) == 1
+    assert index.rebuild(iter([("a", "m1")]), log.read, lambda t, m: states.get((t, m))) == 1
     assert index.count() == 1
 
 

@@ -175,18 +175,23 @@ class QdrantIndex:
     def sync(self, read_log: Callable[[int], list[bytes]], state_of: Callable[[str, str], IndexedState | None]) -> int:
         """Replay the log; returns how many memories were reconciled."""
         with self._session() as client:
-            return self._sync(client, read_log, state_of)
+            return len(self._sync(client, read_log, state_of))
 
-    def rebuild(self, memories: Iterator[tuple[str, str]], state_of: Callable[[str, str], IndexedState | None]) -> int:
-        """Reconcile every given memory and drop points of memories not among them (``check()``)."""
+    def rebuild(
+        self,
+        memories: Iterator[tuple[str, str]],
+        read_log: Callable[[int], list[bytes]],
+        state_of: Callable[[str, str], IndexedState | None],
+    ) -> int:
+        """Replay the log and reconcile every given memory in one pass, then drop points of memories
+        neither names (``check()``); returns how many points were dropped."""
         from qdrant_client import models
 
+        memories = list(memories)
         with self._session() as client:
-            wanted = set()
-            with _Batch(client) as batch:
-                for tenant, memory_id in memories:
-                    wanted.add(point_id(tenant, memory_id))
-                    self._reconcile(batch, tenant, memory_id, state_of)
+            # a memory added while check() ran is in the log, not in ``memories``: it is no stray
+            named = self._sync(client, read_log, state_of, also=memories)
+            wanted = {point_id(tenant, memory_id) for tenant, memory_id in named}
             stray, offset = [], None
             while True:
                 points, offset = client.scroll(COLLECTION, limit=1000, offset=offset, with_payload=False)
@@ -201,12 +206,15 @@ class QdrantIndex:
         with self._session() as client:
             return int(client.count(COLLECTION).count)
 
-    def _sync(self, client, read_log, state_of) -> int:
+    def _sync(self, client, read_log, state_of, also: Sequence[tuple[str, str]] = ()) -> set[tuple[str, str]]:
+        """Reconcile the memories the log names since the last sync, the pending ones, and ``also``;
+        returns them all."""
         from qdrant_client import models
 
         state = self._read_state(client)
         entries = read_log(state["applied"])
         todo = [(entry["tenant"], entry["id"], entry.get("at", 0.0)) for entry in state["pending"]]
+        todo.extend((tenant, memory_id, time.time()) for tenant, memory_id in also)
         for raw in entries:
             try:
                 entry = json.loads(raw)
@@ -227,7 +235,7 @@ class QdrantIndex:
                 _STATE_COLLECTION,
                 points=[models.PointStruct(id=_STATE_POINT, vector=[1.0], payload={"state": json.dumps(new_state)})],
             )
-        return len(first_seen)
+        return set(first_seen)
 
     @staticmethod
     def _reconcile(batch: _Batch, tenant: str, memory_id: str, state_of) -> bool:

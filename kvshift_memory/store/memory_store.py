@@ -388,8 +388,7 @@ class MemoryStore:
                 self.tier.delete(key)
                 self._hot.delete(key)
                 report.repaired.append(f"{problem} (dropped; re-encoded from text on next use)")
-        strays = self.index.rebuild(iter(live_ids), self._index_state)
-        self.index.sync(self._read_log, self._index_state)
+        strays = self.index.rebuild(iter(live_ids), self._read_log, self._index_state)
         if strays:
             report.problems.append(f"index held {strays} points of no memory")
             report.repaired.append(f"removed {strays} stray index points")
