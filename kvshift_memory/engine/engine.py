@@ -496,7 +496,7 @@ class KVShiftEngine:
             return True
         variant = self._stored_identity(source, span.record, context_digest)[0]
         known = self._stored.setdefault(source, set())
-        memo = (span.record.tenant, span.record.id, span.record.version, variant)
+        memo = _stored_memo(span.record, variant)
         if memo in known:
             return True
         try:
@@ -519,7 +519,7 @@ class KVShiftEngine:
             logger.warning("cannot store the fragment of memory %s: %s", span.record.id, exc)
             return
         if saved:
-            self._stored.setdefault(source, set()).add((span.record.tenant, span.record.id, span.record.version, variant))
+            self._stored.setdefault(source, set()).add(_stored_memo(span.record, variant))
 
     @torch.inference_mode()
     def _place(self, cache: ShiftCache, spans: list[FragmentSpan], fragments: list[Fragment]) -> None:
@@ -732,6 +732,11 @@ class KVShiftEngine:
             stats=stats,
             distributions=distributions if return_distributions else None,
         )
+
+
+def _stored_memo(record: Any, variant: str) -> tuple:
+    """How the engine remembers that a record's fragment (for one model and codec) is in its store."""
+    return (record.tenant, record.id, record.version, variant)
 
 
 def _held_back(text: str, stops: list[str]) -> int:
