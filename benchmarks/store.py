@@ -56,9 +56,8 @@ TENANT = "bench"
 
 
 def fill(store: MemoryStore, engine: KVShiftEngine, texts: list[str]) -> list:
-    """Add ``texts`` as memories and encode their fragments into the store."""
+    """Add ``texts`` as memories and store their fragments (from the engine's pool when it holds them)."""
     records = [store.add(text, tenant=TENANT) for text in texts]
-    engine.clear_cache(prefixes=False)
     engine.warm(records, QUESTION)
     return records
 
@@ -139,19 +138,24 @@ def part_fidelity(engine, embedder, count, report) -> None:
     for index, instance in enumerate(instances):
         reference_answer = engine.generate(instance.question, list(instance.memories), reuse="none", max_new_tokens=32)
         continuation = reference_answer.token_ids or [sorted(engine.eos_token_ids)[0]]
+        # the fp32 fragments are encoded once (here) and stored in every codec: one store each
+        engine.clear_cache()
+        engine.warm(list(instance.memories), QUESTION)
+        stores = {codec: MemoryStore(kv_url="memory://", embedder=embedder, codec=codec, index_url=":memory:")
+                  for codec in CODECS[1:]}
+        records = {codec: fill(store, engine, list(instance.memories)) for codec, store in stores.items()}
         for condition, ratio in conditions.items():
             engine.clear_cache()
             reference = engine.score(instance.question, list(instance.memories), continuation, reuse="blend",
                                      recompute_ratio=ratio, return_distributions=True).distributions
             for codec in CODECS[1:]:
-                store = MemoryStore(kv_url="memory://", embedder=embedder, codec=codec, index_url=":memory:")
-                records = fill(store, engine, list(instance.memories))
                 engine.clear_cache()
-                result = engine.score(instance.question, records, continuation, reuse="blend", recompute_ratio=ratio,
-                                      return_distributions=True)
-                assert result.stats.fragments_loaded == len(records), result.stats
+                result = engine.score(instance.question, records[codec], continuation, reuse="blend",
+                                      recompute_ratio=ratio, return_distributions=True)
+                assert result.stats.fragments_loaded == len(records[codec]), result.stats
                 scores[condition][codec].append(kl_and_top1(reference, result.distributions))
-                store.close()
+        for store in stores.values():
+            store.close()
         print(f"  instance {index + 1}/{len(instances)}", flush=True)
     print(f"\n{'codec':>6} " + " ".join(f"{c + ' KL':>12} {c + ' top1':>11}" for c in conditions))
     summary = {}
