@@ -103,7 +103,7 @@ class MemoryStore:
         ``int4``, ``fp16`` or ``fp32``; ``group_size`` is int4's.
     :param hot_bytes: bound on the fragment blobs this process keeps in RAM in front of the tier.
     :param index_hold_s: an index folder stays open this long after a search, so a burst of
-        searches opens it once (39 ms a search instead of 124 ms at 2000 memories, README); meanwhile
+        searches opens it once (42 ms a search instead of 134 ms at 2000 memories, README); meanwhile
         another process sharing the folder waits. Stores of one process share a folder's client
         (the first one opened sets the hold).
     :raises InvalidInputError: bad arguments; ``StoreError``: a backend cannot be opened.
