@@ -1,4 +1,4 @@
-"""Which turns must an agent archive? Measured on LoCoMo's evidence labels (groundwork for issue 4).
+"""Which turns must an agent archive? Fitted and measured on LoCoMo's evidence labels.
 
 LoCoMo's QA items name the dialogue turns (``evidence``) a later question needs: a labelled set
 for a write-back classifier that decides, after each turn, whether to archive it as a memory. The
@@ -13,7 +13,13 @@ Scorers, each ranking the turns of a conversation; the top share is archived:
 Both regressions are fitted leave-one-conversation-out: the conversation scored was never seen in
 fitting. Data is read from ../shared/data/locomo (CC BY-NC 4.0), never copied.
 
-    python benchmarks/writeback.py [--embeddings]      # ~10 s, ~90 s with embeddings
+The agent's rule (``kvshift_memory/agent/writeback.py``) is the ``features`` regression with two
+fixed thresholds: archive at or above the importance that archives ``--archive-share`` of the
+fitting turns, drop below the importance of the least important 1 % of the fitting evidence. It is
+measured the same way (thresholds too are fitted without the conversation scored), and ``--fit``
+writes the rule fitted on all ten conversations into the package.
+
+    python benchmarks/writeback.py [--embeddings] [--fit]   # ~10 s, ~90 s with embeddings
 
 Prints a table and writes ``benchmarks/results/writeback.json``.
 """
@@ -34,18 +40,12 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from benchdata import locomo_dir  # noqa: E402
 
+from kvshift_memory.agent.writeback import FEATURES, WriteBackModel, turn_features  # noqa: E402
+
 RESULTS = HERE / "results"
 SHARES = (0.5, 0.55, 0.6)
-FEATURES = (
-    "log words",
-    "has a digit",
-    "sqrt capitalised words",
-    "first person",
-    "is a question",
-    "shares an image",
-    "answers a question",
-    "log words of the turn before",
-)
+MODEL_FILE = HERE.parent / "kvshift_memory" / "agent" / "writeback_model.json"
+DROP_EVIDENCE_SHARE = 0.01
 
 
 def labelled_turns() -> list[tuple[int, dict, str, bool]]:
@@ -65,17 +65,7 @@ def labelled_turns() -> list[tuple[int, dict, str, bool]]:
 
 
 def features(turn: dict, previous: str) -> list[float]:
-    text = turn["text"]
-    return [
-        math.log1p(len(text.split())),
-        float(bool(re.search(r"\d", text))),
-        len(re.findall(r"\b[A-Z][a-z]+", text)) ** 0.5,
-        float(bool(re.search(r"\b(I|I'm|I've|my|me|we|our)\b", text))),
-        float(text.strip().endswith("?")),
-        float("blip_caption" in turn or "img_url" in turn),
-        float(previous.strip().endswith("?")),
-        math.log1p(len(previous.split())),
-    ]
+    return turn_features(turn["text"], previous, "blip_caption" in turn or "img_url" in turn)
 
 
 def fit_logistic(x: np.ndarray, y: np.ndarray, l2: float = 1e-2) -> tuple[torch.Tensor, torch.Tensor]:
@@ -104,6 +94,39 @@ def held_out_scores(x: np.ndarray, y: np.ndarray, groups: np.ndarray) -> np.ndar
     return scores
 
 
+def fit_rule(x: np.ndarray, y: np.ndarray, archive_share: float) -> WriteBackModel:
+    """The agent's rule fitted on raw features ``x``: regression plus archive and drop thresholds."""
+    mean, std = x.mean(0), x.std(0) + 1e-6
+    weight, bias = fit_logistic(((x - mean) / std).astype(np.float32), y)
+    model = WriteBackModel(tuple(mean.tolist()), tuple(std.tolist()), tuple(weight.tolist()), float(bias), 0.0, 0.0)
+    importance = np.array([model.importance_of_features(row) for row in x])
+    return WriteBackModel(
+        model.mean,
+        model.std,
+        model.weight,
+        model.bias,
+        archive_threshold=float(np.quantile(importance, 1.0 - archive_share)),
+        drop_threshold=float(np.quantile(importance[y > 0], DROP_EVIDENCE_SHARE)),
+    )
+
+
+def rule_metrics(x: np.ndarray, y: np.ndarray, groups: np.ndarray, archive_share: float) -> dict[str, float]:
+    """The agent's decisions on each conversation, with the rule fitted on the other nine."""
+    decisions = np.empty(len(y), dtype=object)
+    for group in np.unique(groups):
+        held = groups == group
+        model = fit_rule(x[~held], y[~held], archive_share)
+        decisions[held] = [model.decide(model.importance_of_features(row)) for row in x[held]]
+    archived, dropped = decisions == "archive", decisions == "drop"
+    return {
+        "recall": float(y[archived].sum() / y.sum()),
+        "precision": float(y[archived].mean()),
+        "archived": float(archived.mean()),
+        "dropped": float(dropped.mean()),
+        "evidence_dropped": float(y[dropped].sum() / y.sum()),
+    }
+
+
 def archive_metrics(scores: np.ndarray, y: np.ndarray, groups: np.ndarray, share: float) -> dict[str, float]:
     """Archive the top ``share`` of each conversation's turns; recall and precision of evidence."""
     kept = hits = 0
@@ -118,14 +141,16 @@ def archive_metrics(scores: np.ndarray, y: np.ndarray, groups: np.ndarray, share
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--embeddings", action="store_true", help="also the bundled MiniLM embedding as features")
+    parser.add_argument("--archive-share", type=float, default=0.57, help="share of fitting turns the rule archives")
+    parser.add_argument("--fit", action="store_true", help=f"write the rule fitted on all turns to {MODEL_FILE.name}")
     parser.add_argument("--output", type=Path, default=RESULTS / "writeback.json")
     args = parser.parse_args()
     torch.set_num_threads(2)
     rows = labelled_turns()
     y = np.array([label for *_, label in rows], dtype=np.float32)
     groups = np.array([group for group, *_ in rows])
-    hand = np.array([features(turn, previous) for _, turn, previous, _ in rows], dtype=np.float32)
-    hand = (hand - hand.mean(0)) / (hand.std(0) + 1e-6)
+    raw = np.array([features(turn, previous) for _, turn, previous, _ in rows], dtype=np.float64)
+    hand = ((raw - raw.mean(0)) / (raw.std(0) + 1e-6)).astype(np.float32)
     scorers = {"length": hand[:, 0], "features": held_out_scores(hand, y, groups)}
     if args.embeddings:
         from kvshift_memory.embedding import MiniLMEmbedder
@@ -149,6 +174,16 @@ def main() -> None:
             for m in report["results"][name].values()
         )
         print(f"{name:>20} {cells}")
+    rule = rule_metrics(raw, y, groups, args.archive_share)
+    report["agent_rule"] = {"archive_share_fitted": args.archive_share, **rule}
+    print(
+        f"\nagent rule (held out): archives {rule['archived']:.1%} of turns, evidence recall {rule['recall']:.3f}, "
+        f"precision {rule['precision']:.3f}; drops {rule['dropped']:.1%} ({rule['evidence_dropped']:.1%} of evidence)"
+    )
+    if args.fit:
+        model = fit_rule(raw, y, args.archive_share)
+        MODEL_FILE.write_text(json.dumps({**vars(model), "features": FEATURES, "fitted_by": report["command"]}, indent=1) + "\n")
+        print(f"wrote {MODEL_FILE}")
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(report, indent=1))
     print(f"\nwrote {args.output}")

@@ -20,17 +20,23 @@ from .exceptions import (
     MemoryNotFoundError,
     ModelLoadError,
     ModelNotFoundError,
+    SessionBusyError,
     StoreError,
     VersionConflictError,
 )
 
 if TYPE_CHECKING:
+    from .agent import AgentMemory, AgentSettings, Reply, ReplyStream
     from .engine import EngineSettings, GenerationResult, GenerationStream, KVShiftEngine, ReuseStats, ScoreResult
     from .store import CheckReport, GCReport, MemoryRecord, MemoryStore
 
 __version__ = "0.1.0"
 
 _LAZY = {
+    "AgentMemory": ".agent",
+    "AgentSettings": ".agent",
+    "Reply": ".agent",
+    "ReplyStream": ".agent",
     "EngineSettings": ".engine",
     "GenerationResult": ".engine",
     "GenerationStream": ".engine",
@@ -44,6 +50,8 @@ _LAZY = {
 }
 
 __all__ = [
+    "AgentMemory",
+    "AgentSettings",
     "CheckReport",
     "ContextOverflowError",
     "CorruptFragmentError",
@@ -59,8 +67,11 @@ __all__ = [
     "MemoryStore",
     "ModelLoadError",
     "ModelNotFoundError",
+    "Reply",
+    "ReplyStream",
     "ReuseStats",
     "ScoreResult",
+    "SessionBusyError",
     "StoreError",
     "VersionConflictError",
     "__version__",

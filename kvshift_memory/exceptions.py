@@ -16,6 +16,7 @@ __all__ = [
     "CorruptFragmentError",
     "MemoryNotFoundError",
     "VersionConflictError",
+    "SessionBusyError",
 ]
 
 
@@ -66,3 +67,11 @@ class MemoryNotFoundError(StoreError, KeyError):
 
 class VersionConflictError(StoreError):
     """Another writer superseded or deleted the memory first; read it again and retry."""
+
+
+class SessionBusyError(KVShiftError):
+    """A turn was asked of an agent session that is still answering another one.
+
+    Turns of one session are serialised; this is raised when the wait passes the agent's
+    ``busy_timeout_s``, or at once when the calling thread itself holds the open stream.
+    """

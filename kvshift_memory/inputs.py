@@ -59,11 +59,16 @@ def check_identifier(value: Any, name: str) -> str:
     return value
 
 
-def check_messages(messages: Any) -> list[dict[str, str]]:
+def check_messages(messages: Any) -> list[dict[str, Any]]:
     """Accept a string (one user message) or a non-empty list of ``{"role", "content"}`` dicts.
 
-    :raises InvalidInputError: empty list, unknown role, a system message after the first, or a
-        content that is not a non-empty string.
+    A user message may also carry ``"memories"`` (texts or records, placed inside that message,
+    before its content); an assistant message may carry ``"token_ids"``, the ids it was generated
+    as (used when they decode to its content, so that a reply is read back as the very tokens
+    whose K/V are cached).
+
+    :raises InvalidInputError: empty list, unknown role or key, a system message after the first,
+        a content that is not a non-empty string, bad memories or token ids.
     """
     if isinstance(messages, str):
         messages = [{"role": "user", "content": messages}]
@@ -80,9 +85,36 @@ def check_messages(messages: Any) -> list[dict[str, str]]:
             raise InvalidInputError(f"messages[{index}] has role {role!r}; expected one of {ROLES}")
         if role == "system" and index != 0:
             raise InvalidInputError(f"messages[{index}]: a system message may only come first")
+        allowed = _MESSAGE_KEYS[role]
+        unknown = set(message) - allowed
+        if unknown:
+            raise InvalidInputError(f"messages[{index}] has keys {sorted(map(str, unknown))}; a {role} message takes {sorted(allowed)}")
         content = check_text(message["content"], f"messages[{index}]['content']", allow_empty=role != "user")
-        checked.append({"role": role, "content": content})
+        entry: dict[str, Any] = {"role": role, "content": content}
+        if message.get("memories"):
+            check_memories(message["memories"])
+            entry["memories"] = list(message["memories"])
+        if message.get("token_ids") is not None:
+            entry["token_ids"] = _check_token_ids(message["token_ids"], f"messages[{index}]['token_ids']")
+        checked.append(entry)
     return checked
+
+
+_MESSAGE_KEYS = {
+    "system": {"role", "content"},
+    "user": {"role", "content", "memories"},
+    "assistant": {"role", "content", "token_ids"},
+}
+
+
+def _check_token_ids(ids: Any, what: str) -> list[int]:
+    if (
+        isinstance(ids, Sequence)
+        and not isinstance(ids, (str, bytes))
+        and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids)
+    ):
+        return list(ids)
+    raise InvalidInputError(f"{what} must be a list of token ids (ints >= 0)")
 
 
 def check_memories(memories: Any) -> list[str]:
@@ -152,10 +184,9 @@ def check_continuation(continuation: Any) -> str | list[int]:
     """A non-empty string, or a non-empty list of token ids."""
     if isinstance(continuation, str):
         return check_text(continuation, "continuation")
-    if (
-        isinstance(continuation, Sequence)
-        and continuation
-        and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in continuation)
-    ):
-        return list(continuation)
+    if isinstance(continuation, Sequence) and continuation:
+        try:
+            return _check_token_ids(continuation, "continuation")
+        except InvalidInputError:
+            pass
     raise InvalidInputError("continuation must be a non-empty str or a non-empty list of token ids")

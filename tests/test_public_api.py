@@ -4,6 +4,11 @@ import kvshift_memory
 from kvshift_memory import exceptions
 
 EXPECTED = {
+    "AgentMemory",
+    "AgentSettings",
+    "Reply",
+    "ReplyStream",
+    "SessionBusyError",
     "CheckReport",
     "ContextOverflowError",
     "CorruptFragmentError",

@@ -25,7 +25,7 @@ from .blend import choose_recompute
 from .families import PositionScheme, position_scheme
 from .loading import load_model, model_fingerprint, resolve_dtype
 from .pool import BytePool
-from .prompt import FragmentSpan, PromptLayout, build_layout, digest_ids
+from .prompt import FragmentSpan, PromptLayout, build_layout, common_prefix, digest_ids
 from .results import GenerationResult, ReuseStats, ScoreResult
 
 __all__ = ["EngineSettings", "GenerationStream", "KVShiftEngine"]
@@ -101,12 +101,6 @@ class _Prepared:
     logits: torch.Tensor
     stats: ReuseStats
     exact_until: int
-
-
-def _common_prefix(a: torch.Tensor, b: torch.Tensor) -> int:
-    n = min(a.numel(), b.numel())
-    differ = (a[:n] != b[:n]).nonzero()
-    return int(differ[0]) if differ.numel() else n
 
 
 class GenerationStream(Iterator[str]):
@@ -333,8 +327,13 @@ class KVShiftEngine:
         texts = inputs.check_memories(memories)
         requested = inputs.check_reuse(reuse)
         ratio = self.settings.recompute_ratio if recompute_ratio is None else inputs.check_ratio(recompute_ratio)
+        given = list(memories or ())
+        for message in messages:
+            if "memories" in message:
+                given.extend(message["memories"])
+                message["memories"] = inputs.check_memories(message["memories"])
         layout = build_layout(self.tokenizer, messages, texts, self.settings.system_prompt, self.settings.memory_header)
-        records = [None if isinstance(memory, str) else memory for memory in memories or ()]
+        records = [None if isinstance(memory, str) else memory for memory in given]
         layout = replace(layout, fragments=tuple(replace(s, record=r) for s, r in zip(layout.fragments, records)))
         for index, span in enumerate(layout.fragments):
             if len(span.token_ids) + extra_tokens >= self.max_positions:
@@ -376,7 +375,7 @@ class KVShiftEngine:
     def _lookup_prefix(self, ids: torch.Tensor) -> tuple[_PrefixEntry | None, int]:
         best, best_len = None, 0
         for entry in self._prefixes.values():
-            common = _common_prefix(entry.token_ids, ids)
+            common = common_prefix(entry.token_ids, ids)
             if common > best_len:
                 best, best_len = entry, common
         if best is not None:
@@ -397,7 +396,7 @@ class KVShiftEngine:
         """A cache holding the exact K/V of ``ids`` (reusing and remembering prefixes), with ``room`` slots after."""
         n = ids.numel()
         cache = ShiftCache(self.num_layers, n + room)
-        reused, _ = self._reuse_prefix(cache, PromptLayout(ids, ()), "prefix")
+        reused, _, _ = self._reuse_prefix(cache, PromptLayout(ids, (), ids), "prefix")
         self._prefill_exact(cache, ids, reused, n, logits="none")
         self._remember_prefix(cache, ids, n, n)
         return cache
@@ -405,7 +404,7 @@ class KVShiftEngine:
     @torch.inference_mode()
     def _encode_fragments(self, layout: PromptLayout, spans: list[FragmentSpan]) -> list[Fragment]:
         """Encode each span after the layout's prefix and the encode context."""
-        conditioning = torch.cat([layout.token_ids[: layout.prefix_length], self._encode_context_ids])
+        conditioning = torch.cat([layout.conditioning, self._encode_context_ids])
         start = conditioning.numel()
         scratch = self._prefilled(conditioning, max(len(s.token_ids) for s in spans))
         context_digest = digest_ids(conditioning.tolist())
@@ -431,7 +430,7 @@ class KVShiftEngine:
         :returns: the fragments, and where each came from: ``"pool"``, ``"store"``, ``"encoded"``
             or ``"re-encoded"`` (its stored blob was refused).
         """
-        conditioning = layout.token_ids[: layout.prefix_length].tolist() + self._encode_context_ids.tolist()
+        conditioning = layout.conditioning.tolist() + self._encode_context_ids.tolist()
         context_digest = digest_ids(conditioning)
         keys = [(context_digest, digest_ids(span.token_ids)) for span in spans]
         found: list[Fragment | None] = []
@@ -524,19 +523,24 @@ class KVShiftEngine:
     @torch.inference_mode()
     def _place(self, cache: ShiftCache, spans: list[FragmentSpan], fragments: list[Fragment]) -> None:
         """Copy the fragments into their (adjacent) spans, then rotate the whole region once per layer."""
-        first, end = spans[0].start, spans[-1].end
         deltas = torch.cat([torch.full((s.end - s.start,), s.start - f.base_position) for s, f in zip(spans, fragments)])
-        tables: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        for layer, rotary in enumerate(self.position_scheme.layers):
+        for layer in range(self.num_layers):
             cache.reserve(layer, fragments[0].keys[layer], fragments[0].values[layer])
             keys, values = cache.buffer(layer)
             for span, fragment in zip(spans, fragments):
                 keys[..., span.start : span.end, :].copy_(fragment.keys[layer])
                 values[..., span.start : span.end, :].copy_(fragment.values[layer])
+        self._rotate(cache, spans[0].start, deltas)
+
+    def _rotate(self, cache: ShiftCache, start: int, deltas: torch.Tensor) -> None:
+        """Move the keys in slots ``[start, start + len(deltas))`` by ``deltas`` positions (RoPE re-encoding)."""
+        tables: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        for layer, rotary in enumerate(self.position_scheme.layers):
+            keys, _ = cache.buffer(layer)
             if id(rotary) not in tables:
                 tables[id(rotary)] = rotary.cos_sin(deltas, keys.dtype, keys.device)
-            rotate_(keys[..., first:end, :], *tables[id(rotary)], rotary.rotary_dim)
-        cache.mark_filled(end)
+            rotate_(keys[..., start : start + deltas.numel(), :], *tables[id(rotary)], rotary.rotary_dim)
+        cache.mark_filled(start + deltas.numel())
 
     @torch.inference_mode()
     def _prefill_exact(self, cache: ShiftCache, ids: torch.Tensor, start: int, end: int, logits: str = "last"):
@@ -544,25 +548,66 @@ class KVShiftEngine:
             return None
         return self._forward(cache, ids[start:end], ForwardStep.span(start, end), logits=logits)
 
-    def _reuse_prefix(self, cache: ShiftCache, layout: PromptLayout, mode: str) -> tuple[int, int]:
-        """Copy the longest usable cached prefix into ``cache``; returns (tokens reused, exact until)."""
+    def _reuse_prefix(self, cache: ShiftCache, layout: PromptLayout, mode: str) -> tuple[int, int, int]:
+        """Copy the longest usable cached prefix into ``cache``.
+
+        In ``"blend"`` mode a prompt that is a cached one with a stretch cut out (a working window
+        whose oldest turns were evicted) also reuses what follows the cut, RoPE-shifted to its new
+        positions: the approximation StreamingLLM makes, with the shared prefix as attention sink.
+
+        :returns: (tokens reused, exact until, of the reused those shifted from a later position).
+        """
         ids, n = layout.token_ids, layout.length
         entry, common = self._lookup_prefix(ids)
         if entry is None:
-            return 0, n
-        if mode == "prefix" or entry.exact_length < min(common, layout.prefix_length):
+            return 0, n, 0
+        if mode == "prefix" or entry.exact_length < min(common, layout.anchor_length):
             # Fragments are encoded against the prefix, so the prefix itself must be exact.
             common = min(common, entry.exact_length)
-        reused = min(common, n - 1)  # the last prompt token is always run, for its logits
-        for span in layout.fragments:  # never stop half-way through a memory: place it whole
-            if span.start < reused < span.end:
-                reused = span.start
+        reused = _whole_spans(layout, min(common, n - 1))  # the last prompt token is always run, for its logits
         if reused <= 0:
-            return 0, n
+            return 0, n, 0
         with torch.inference_mode():
             for layer, (keys, values) in enumerate(entry.kv):
                 cache.write(layer, 0, keys[..., :reused, :], values[..., :reused, :])
-        return reused, (n if reused <= entry.exact_length else entry.exact_length)
+        exact_until = n if reused <= entry.exact_length else entry.exact_length
+        shifted = 0
+        shifted = 0
+        if mode == "blend" and reused == common:
+            donor, source, run = self._cut_out_run(ids, reused)
+            shifted = _whole_spans(layout, reused + min(run, n - 1 - reused)) - reused
+            if shifted >= _MIN_SHIFTED_RUN:
+                with torch.inference_mode():
+                    for layer, (keys, values) in enumerate(donor.kv):
+                        stretch = slice(source, source + shifted)
+                        cache.write(layer, reused, keys[..., stretch, :], values[..., stretch, :])
+                    self._rotate(cache, reused, torch.full((shifted,), reused - source))
+                exact_until = min(exact_until, reused)
+                reused += shifted
+            else:
+                shifted = 0
+        return reused, exact_until, shifted
+
+    def _cut_out_run(self, ids: torch.Tensor, start: int) -> tuple[_PrefixEntry | None, int, int]:
+        """Where ``ids[start:]`` continues in a cached prompt that shares ``ids[:start]`` after a cut.
+
+        :returns: (cached prompt, its slot where the run starts, run length); length 0 when none.
+        """
+        probe = ids[start : start + _MATCH_PROBE]
+        best: tuple[_PrefixEntry | None, int, int] = (None, 0, 0)
+        if probe.numel() < _MATCH_PROBE:
+            return best
+        for entry in self._prefixes.values():
+            cached = entry.token_ids
+            if cached.numel() < start + 1 + _MATCH_PROBE or common_prefix(cached, ids) < start:
+                continue
+            windows = cached[start + 1 :].unfold(0, _MATCH_PROBE, 1)
+            for offset in (windows == probe).all(dim=1).nonzero()[:, 0].tolist():
+                source = start + 1 + offset
+                length = common_prefix(cached[source:], ids[start:])
+                if length > best[2]:
+                    best = (entry, source, length)
+        return best
 
     @torch.inference_mode()
     def _prepare(
@@ -577,10 +622,13 @@ class KVShiftEngine:
             recompute_ratio=ratio if mode == "blend" else 0.0,
             fallback_reason=fallback,
         )
-        reused, exact_until = (0, n) if mode == "none" else self._reuse_prefix(cache, layout, mode)
+        reused, exact_until, shifted = (0, n, 0) if mode == "none" else self._reuse_prefix(cache, layout, mode)
         stats.reused_tokens = reused
+        stats.shifted_tokens = shifted
         stats.fragments_hit = sum(1 for span in layout.fragments if span.end <= reused)
-        new_spans = [span for span in layout.fragments if span.start >= reused] if mode == "blend" else []
+        # Only the last run of adjacent memories is placed; earlier ones not yet cached (a
+        # conversation whose earlier turns fell out of the prefix cache) are read as text.
+        new_spans = _last_adjacent_run([span for span in layout.fragments if span.start >= reused]) if mode == "blend" else []
         if not new_spans:
             logits = self._prefill_exact(cache, ids, reused, n)
             stats.prefilled_tokens = n - reused
@@ -608,7 +656,7 @@ class KVShiftEngine:
                 # recomputing every fragment token is a full recompute: no window, so it is exact
                 local_window=None if count == slots.numel() else self.settings.recompute_window,
                 local_before=tail,
-                anchor=layout.prefix_length,
+                anchor=layout.anchor_length,
             )
             logits = self._forward(cache, ids[queries], step)
         else:
@@ -634,7 +682,7 @@ class KVShiftEngine:
         _, origins = self._fetch_fragments(layout, list(layout.fragments))
         encoded = sum(origin not in ("pool", "store") for origin in origins)
         if not encoded:  # nothing was encoded, so the shared prefix may not be cached yet
-            self._prefilled(layout.token_ids[: layout.prefix_length], 0)
+            self._prefilled(layout.conditioning, 0)
         return encoded
 
     # ------------------------------------------------------------------ decoding and scoring
@@ -711,7 +759,9 @@ class KVShiftEngine:
             yield GenerationResult(text=text, token_ids=generated, stats=stats, finish_reason=finish)
         finally:
             all_ids = torch.cat([layout.token_ids, torch.tensor(generated, dtype=torch.long)])
-            self._remember_prefix(cache, all_ids, filled, prepared.exact_until)
+            # decoding after an exact prompt is exact too: the next turn may reuse the reply as well
+            exact_until = filled if prepared.exact_until >= n else prepared.exact_until
+            self._remember_prefix(cache, all_ids, filled, exact_until)
 
     @torch.inference_mode()
     def _score(self, layout, mode, ratio, requested, fallback, cont_ids, return_distributions, started) -> ScoreResult:
@@ -732,6 +782,30 @@ class KVShiftEngine:
             stats=stats,
             distributions=distributions if return_distributions else None,
         )
+
+
+# A cut-out stretch is reused only when what follows it runs this long: shorter runs save little,
+# and short token matches are as likely to be chance.
+_MIN_SHIFTED_RUN = 16
+_MATCH_PROBE = 8
+
+
+def _whole_spans(layout: PromptLayout, end: int) -> int:
+    """``end``, moved back to a memory's start when it falls inside it (a memory is placed whole)."""
+    for span in layout.fragments:
+        if span.start < end < span.end:
+            return span.start
+    return end
+
+
+def _last_adjacent_run(spans: list[FragmentSpan]) -> list[FragmentSpan]:
+    """The trailing spans that follow each other without a gap."""
+    run = spans[-1:]
+    for span in reversed(spans[:-1]):
+        if span.end != run[0].start:
+            break
+        run.insert(0, span)
+    return run
 
 
 def _stored_memo(record: Any, variant: str) -> tuple:

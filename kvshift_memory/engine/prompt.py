@@ -6,9 +6,17 @@ content (messages and memories) with special tokens *split*, so a message that c
 ``<|im_start|>`` stays text and can never forge turn structure. Tokenising piecewise also gives each
 memory the same token ids in every prompt, which is what lets its KV be reused.
 
-Memories go inside the system message, after ``memory_header``, one per line::
+Memories given to the engine go inside the system message, after ``memory_header``, one per line::
 
     <system prompt>\\n\\n<memory header>\\n<memory 1>\\n<memory 2>\\n...
+
+A user message may bring memories of its own (the agent's recall for that turn); they go before
+its content, introduced by the same header::
+
+    <memory header>\\n<memory 1>\\n...\\n\\n<content>
+
+Either way a memory's fragment is encoded after the same *conditioning*: the system message up to
+where its memories would start, so one fragment serves both places.
 """
 
 from __future__ import annotations
@@ -21,7 +29,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["FragmentSpan", "PromptLayout", "digest_ids", "build_layout"]
+__all__ = ["FragmentSpan", "PromptLayout", "build_layout", "common_prefix", "digest_ids"]
 
 ROLES = ("system", "user", "assistant")
 
@@ -44,24 +52,36 @@ class FragmentSpan:
 
 @dataclass(frozen=True)
 class PromptLayout:
-    """A tokenised prompt: all ids, the memory spans inside it, and where the first one starts."""
+    """A tokenised prompt: all ids, the memory spans inside it, and what fragments are encoded after.
+
+    :param conditioning: the ids fragments are encoded after (the system message up to where its
+        memories start); a prompt begins with ``anchor_length`` of them.
+    """
 
     token_ids: torch.Tensor
     fragments: tuple[FragmentSpan, ...]
+    conditioning: torch.Tensor
 
     @property
     def length(self) -> int:
         return int(self.token_ids.numel())
 
     @property
-    def prefix_length(self) -> int:
-        """Tokens before the first memory (the whole prompt when there is none)."""
-        return self.fragments[0].start if self.fragments else self.length
+    def anchor_length(self) -> int:
+        """Leading tokens shared with the conditioning: the attention sinks every prompt starts with."""
+        return common_prefix(self.token_ids, self.conditioning)
 
     @property
     def tail_start(self) -> int:
         """First slot after the last memory."""
         return self.fragments[-1].end if self.fragments else self.length
+
+
+def common_prefix(a: torch.Tensor, b: torch.Tensor) -> int:
+    """How many leading ids ``a`` and ``b`` share."""
+    n = min(a.numel(), b.numel())
+    differ = (a[:n] != b[:n]).nonzero()
+    return int(differ[0]) if differ.numel() else n
 
 
 def _render(tokenizer, messages: list[dict[str, str]]) -> str:
@@ -74,7 +94,7 @@ def _render(tokenizer, messages: list[dict[str, str]]) -> str:
 
 def build_layout(
     tokenizer,
-    messages: list[dict[str, str]],
+    messages: list[dict[str, Any]],
     memories: Sequence[str],
     system_prompt: str,
     memory_header: str,
@@ -82,42 +102,64 @@ def build_layout(
     """Tokenise ``messages`` with ``memories`` placed in the system message.
 
     ``messages`` and ``memories`` must already be validated (roles known, contents strings,
-    memories stripped and non-empty).
+    memories stripped and non-empty); a message's own ``"memories"`` are texts here.
     """
     tag = secrets.token_hex(8)
-    contents: dict[str, tuple[str, bool]] = {}  # sentinel -> (text, is_memory)
+    contents: dict[str, tuple[str, bool, list[int] | None]] = {}  # sentinel -> (text, is memory, ids)
 
-    def sentinel(text: str, is_memory: bool) -> str:
+    def sentinel(text: str, is_memory: bool = False, ids: list[int] | None = None) -> str:
         key = f"\x00{tag}:{len(contents)}\x00"
-        contents[key] = (text, is_memory)
+        contents[key] = (text, is_memory, ids)
         return key
 
-    rendered_messages = []
+    def tokenise(content: str) -> list[int]:
+        return tokenizer(content, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+
+    header = f"\n\n{memory_header}\n"
     if messages[0]["role"] == "system":
         system_text, rest = messages[0]["content"], messages[1:]
     else:
         system_text, rest = system_prompt, messages
-    system = sentinel(system_text, False)
+    system_key = sentinel(system_text)
+    system = system_key
     if memories:
-        system += sentinel(f"\n\n{memory_header}\n", False)
-        system += "".join(sentinel(f"{text}\n", True) for text in memories)
-    rendered_messages.append({"role": "system", "content": system})
-    rendered_messages.extend({"role": m["role"], "content": sentinel(m["content"], False)} for m in rest)
+        system += sentinel(header) + "".join(sentinel(f"{text}\n", True) for text in memories)
+    rendered_messages = [{"role": "system", "content": system}]
+    memory_texts = list(memories)
+    for message in rest:
+        content = message["content"]
+        if message.get("memories"):
+            memory_texts.extend(message["memories"])
+            content = (
+                sentinel(f"{memory_header}\n")
+                + "".join(sentinel(f"{text}\n", True) for text in message["memories"])
+                + sentinel(f"\n{content}")
+            )
+        else:
+            ids = message.get("token_ids")
+            if ids is not None and tokenizer.decode(ids) != content:
+                ids = None  # not what the content reads back as: tokenise the text
+            content = sentinel(content, ids=ids)
+        rendered_messages.append({"role": message["role"], "content": content})
     text = _render(tokenizer, rendered_messages)
 
     ids: list[int] = []
     spans: list[FragmentSpan] = []
-    memory_texts = iter(memories)
+    system_end = 0
+    next_memory = iter(memory_texts)
     for piece in text.split("\x00"):
         key = f"\x00{piece}\x00"
         if key in contents:
-            content, is_memory = contents[key]
-            piece_ids = tokenizer(content, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+            content, is_memory, given = contents[key]
+            piece_ids = given if given is not None else tokenise(content)
             if is_memory:
-                spans.append(FragmentSpan(len(ids), len(ids) + len(piece_ids), next(memory_texts), tuple(piece_ids)))
+                spans.append(FragmentSpan(len(ids), len(ids) + len(piece_ids), next(next_memory), tuple(piece_ids)))
         elif piece:
             piece_ids = tokenizer(piece, add_special_tokens=False)["input_ids"]
         else:
             continue
         ids.extend(piece_ids)
-    return PromptLayout(torch.tensor(ids, dtype=torch.long), tuple(spans))
+        if key == system_key:
+            system_end = len(ids)
+    conditioning = ids[:system_end] + tokenise(header)
+    return PromptLayout(torch.tensor(ids, dtype=torch.long), tuple(spans), torch.tensor(conditioning, dtype=torch.long))

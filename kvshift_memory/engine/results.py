@@ -25,6 +25,8 @@ class ReuseStats:
     :param ttft_s: seconds from the start of the call to the first generated token (or, when
         scoring, to the first distribution).
     :param reused_tokens: prompt tokens whose K/V came from a cache (prefix or fragment) as they were.
+    :param shifted_tokens: of the reused, those taken from a cached prompt that had a stretch before
+        them cut out (a working window whose oldest turns were evicted), RoPE-shifted into place.
     :param recomputed_tokens: fragment tokens the blend recomputed in full context.
     :param encoded_tokens: fragment tokens encoded during this call (fragments not cached yet).
     :param prefilled_tokens: the other prompt tokens computed during this call.
@@ -42,6 +44,7 @@ class ReuseStats:
     prompt_tokens: int
     ttft_s: float = 0.0
     reused_tokens: int = 0
+    shifted_tokens: int = 0
     recomputed_tokens: int = 0
     encoded_tokens: int = 0
     prefilled_tokens: int = 0

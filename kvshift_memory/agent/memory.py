@@ -1,0 +1,501 @@
+"""AgentMemory: the turn loop over an engine and a store, with a working window that shifts.
+
+One turn (:meth:`AgentMemory.chat`):
+
+1. *corrections*: a message worded as a correction supersedes the closest stored memory;
+2. *recall*: the store is searched twice, within the session and across all of the user's
+   sessions, and memories already visible in the window are left out;
+3. *assembly*: ``[system] + [window turns, each user message with the memories recalled for it] +
+   [new user message with the newly recalled memories, most relevant last]``. The prompt only ever
+   grows at its end, so the engine reuses the previous turn's cache exactly and prefills only the
+   new message, its template tokens and the repair of the newly recalled fragments;
+4. *window shift*: when the window passes its budget, its oldest turns leave it; the engine
+   finds the rest of the window in its cache behind the cut and re-encodes its positions (RoPE
+   shift) instead of recomputing it, the system prompt staying as attention sink;
+5. *write-back*: the turn's importance decides whether the user's message is archived as a memory
+   now (with its fragment encoded and stored), kept in the window only, or dropped from it.
+
+Calls on one ``AgentMemory`` are serialised: a second ``chat`` waits for the first to finish.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import AsyncIterator, Iterator, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from .. import inputs
+from ..exceptions import InvalidInputError, MemoryNotFoundError, SessionBusyError
+from .corrections import is_correction_cue
+from .writeback import Decision, WriteBackModel
+
+__all__ = ["AgentMemory", "AgentSettings", "Reply", "ReplyStream"]
+
+# template tokens a message costs around its content (`<|im_start|>user\n` ... `<|im_end|>\n`)
+_MESSAGE_OVERHEAD = 6
+
+
+@dataclass(frozen=True)
+class AgentSettings:
+    """Behaviour of an :class:`AgentMemory`.
+
+    :param system_prompt: the system message; ``None`` uses the engine's.
+    :param recall_k: memories recalled per turn at most.
+    :param recall_min_score: a memory less similar than this to the message is not recalled.
+    :param importance_weight: how much a memory's importance adds to its similarity when ranking.
+    :param window_tokens: budget of the working window (turns and the memories recalled into them).
+    :param window_keep: share of the budget the window is cut back to when it passes it (several
+        turns leave at once, so the window shifts rarely).
+    :param max_new_tokens: default reply length bound.
+    :param reuse: ``"blend"`` (default), ``"prefix"`` (exact reuse only) or ``"none"`` (the baseline).
+    :param recompute_ratio: the blend's share of recalled fragment tokens recomputed (engine default
+        when ``None``).
+    :param correction_min_score: a correction supersedes the closest memory only when at least this
+        similar to it.
+    :param busy_timeout_s: how long a call waits for another call on the same session to finish.
+    """
+
+    system_prompt: str | None = None
+    recall_k: int = 4
+    recall_min_score: float = 0.3
+    importance_weight: float = 0.1
+    window_tokens: int = 2048
+    window_keep: float = 0.6
+    max_new_tokens: int = 96
+    reuse: str = "blend"
+    recompute_ratio: float | None = None
+    correction_min_score: float = 0.45
+    busy_timeout_s: float = 300.0
+
+    def __post_init__(self) -> None:
+        if self.system_prompt is not None:
+            inputs.check_text(self.system_prompt, "system_prompt")
+        inputs.check_positive_int(self.recall_k, "recall_k")
+        inputs.check_positive_int(self.window_tokens, "window_tokens")
+        inputs.check_positive_int(self.max_new_tokens, "max_new_tokens")
+        inputs.check_ratio(self.window_keep, "window_keep")
+        inputs.check_ratio(self.importance_weight, "importance_weight")
+        for name in ("recall_min_score", "correction_min_score"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not -1.0 <= value <= 1.0:
+                raise InvalidInputError(f"{name} must be a number in [-1, 1], got {value!r}")
+        if self.reuse not in inputs.REUSE_MODES:
+            raise InvalidInputError(f"reuse must be one of {inputs.REUSE_MODES}, got {self.reuse!r}")
+        if self.recompute_ratio is not None:
+            inputs.check_ratio(self.recompute_ratio)
+        if isinstance(self.busy_timeout_s, bool) or not isinstance(self.busy_timeout_s, (int, float)) or self.busy_timeout_s < 0:
+            raise InvalidInputError(f"busy_timeout_s must be a number >= 0, got {self.busy_timeout_s!r}")
+
+
+@dataclass
+class _Turn:
+    """One exchange in the working window."""
+
+    user: str
+    recalled: tuple[Any, ...]
+    tokens: int
+    reply: str = ""
+    reply_ids: list[int] | None = None
+    importance: float = 0.0
+    decision: Decision = "keep"
+    archived: Any = None  # the memory record the user's message became, when archived
+
+    def messages(self) -> list[dict[str, Any]]:
+        user: dict[str, Any] = {"role": "user", "content": self.user}
+        if self.recalled:
+            user["memories"] = list(self.recalled)
+        assistant: dict[str, Any] = {"role": "assistant", "content": self.reply}
+        if self.reply_ids is not None:
+            assistant["token_ids"] = self.reply_ids
+        return [user, assistant]
+
+
+@dataclass
+class Reply:
+    """The answer to one :meth:`AgentMemory.chat` turn.
+
+    :param message: the user's message this answers.
+    :param text: the assistant's answer.
+    :param stats: the engine's :class:`~kvshift_memory.ReuseStats` for the turn (TTFT, reused,
+        recomputed and prefilled tokens, fragments hit and missed).
+    :param recalled: the memories recalled into this turn, most relevant last.
+    :param decision: the write-back decision (``"archive"``, ``"keep"`` or ``"drop"``).
+    :param importance: the write-back classifier's importance of the turn.
+    :param archived: the memory the message was archived as (or the correction's new version).
+    :param corrected: the memory version this message superseded, when it was a correction.
+    :param evicted_turns: turns that left the window before this one.
+    :param retrieval_s: seconds spent on corrections and searching the store, before the engine
+        started (its ``stats.ttft_s`` counts from there; :attr:`ttft_s` is the sum).
+    :param finish_reason: ``"stop"``, ``"length"``, or ``"interrupted"`` (a stream closed early).
+    """
+
+    message: str
+    text: str
+    stats: Any
+    recalled: list[Any] = field(default_factory=list)
+    decision: Decision = "keep"
+    importance: float = 0.0
+    archived: Any = None
+    corrected: Any = None
+    evicted_turns: int = 0
+    retrieval_s: float = 0.0
+    finish_reason: str = "stop"
+
+    @property
+    def ttft_s(self) -> float:
+        """Seconds from the call to the first token: retrieval plus the engine's TTFT."""
+        return self.retrieval_s + self.stats.ttft_s
+
+
+@dataclass
+class _Plan:
+    """A turn prepared but not committed: nothing in the agent's state has changed yet."""
+
+    message: str
+    recalled: list[Any]
+    corrected: Any
+    correction: Any
+    kept_turns: list[_Turn]
+    evicted: list[_Turn]
+    messages: list[dict[str, Any]]
+    retrieval_s: float
+
+
+class ReplyStream(Iterator[str]):
+    """Text pieces of a streamed turn; :attr:`reply` holds the :class:`Reply` once it has ended.
+
+    The session stays busy until the stream is exhausted or closed (closing commits the turn with
+    the text produced so far).
+    """
+
+    def __init__(self, memory: AgentMemory, plan: _Plan, steps: Any) -> None:
+        self._memory, self._plan, self._steps = memory, plan, steps
+        self._pieces: list[str] = []
+        self.reply: Reply | None = None
+
+    def __iter__(self) -> ReplyStream:
+        return self
+
+    def __next__(self) -> str:
+        if self.reply is not None:
+            raise StopIteration
+        try:
+            piece = next(self._steps)
+        except StopIteration:
+            self._end()
+            raise
+        except BaseException:
+            self._memory._release()
+            self.reply = None
+            raise
+        self._pieces.append(piece)
+        return piece
+
+    def close(self) -> None:
+        """Stop generating and commit the turn with what was said so far."""
+        if self.reply is None:
+            self._steps.close()
+            self._end()
+
+    def _end(self) -> None:
+        try:
+            self.reply = self._memory._commit(self._plan, self._steps.result, "".join(self._pieces), self._steps.stats)
+        finally:
+            self._memory._release()
+
+    def __del__(self) -> None:  # an abandoned stream must not leave its session busy forever
+        if getattr(self, "reply", 1) is None:
+            try:
+                self.close()
+            except Exception:
+                pass
+
+
+class AgentMemory:
+    """The memory of one user's session: recall with KV reuse, a working window, write-back.
+
+    :param engine: a :class:`~kvshift_memory.KVShiftEngine`.
+    :param store: a :class:`~kvshift_memory.MemoryStore` (shared by all of the user's sessions).
+    :param user_id: the tenant: memories never cross it.
+    :param session_id: this conversation; recall also reaches the user's other sessions.
+    :param settings: :class:`AgentSettings`; keyword arguments override its fields.
+    :param writeback: the write-back rule (default: the bundled one fitted on LoCoMo).
+    :raises InvalidInputError: bad ids or settings.
+    """
+
+    def __init__(
+        self,
+        engine: Any,
+        store: Any,
+        *,
+        user_id: str,
+        session_id: str,
+        settings: AgentSettings | None = None,
+        writeback: WriteBackModel | None = None,
+        **overrides: Any,
+    ) -> None:
+        self.engine = engine
+        self.store = store
+        self.user_id = inputs.check_identifier(user_id, "user_id")
+        self.session_id = inputs.check_identifier(session_id, "session_id")
+        try:
+            self.settings = replace(settings or AgentSettings(), **overrides)
+        except TypeError as exc:
+            raise InvalidInputError(f"unknown AgentMemory setting: {exc}") from None
+        self.writeback = writeback or WriteBackModel.bundled()
+        self._window: list[_Turn] = []
+        self._lock = threading.Lock()
+        self._stream_thread: int | None = None
+
+    # ------------------------------------------------------------------ memories
+
+    def add(self, text: str, *, importance_score: float = 0.5) -> Any:
+        """Store ``text`` as a memory of this user and session, and encode its fragment now.
+
+        :returns: the :class:`~kvshift_memory.MemoryRecord`.
+        :raises InvalidInputError: empty, over-long or non-text input.
+        :raises StoreError: the store refused the write.
+        """
+        record = self.store.add(text, tenant=self.user_id, session_id=self.session_id, importance_score=importance_score)
+        self._warm([record])
+        return record
+
+    def correct(self, text: str, memory_id: str | None = None) -> tuple[Any, Any]:
+        """Supersede a memory with ``text``: the given one, or the stored memory closest to ``text``.
+
+        The old version stays in :meth:`history` and is never recalled again.
+
+        :returns: (old version, new version).
+        :raises MemoryNotFoundError: no such live memory (or, without ``memory_id``, none close enough).
+        :raises VersionConflictError: another writer superseded it first.
+        """
+        text = inputs.check_text(text, "text")
+        if memory_id is None:
+            target = self._correction_target(text, require_cue=False)
+            if target is None:
+                raise MemoryNotFoundError("no stored memory is close enough to that correction")
+        else:
+            target = self.store.get(memory_id, tenant=self.user_id)
+            if target is None:
+                raise MemoryNotFoundError(f"no live memory {memory_id!r}")
+        self._acquire(stream=False)
+        try:
+            new = self.store.supersede(target.id, text, tenant=self.user_id)
+            self._window = [_without(turn, target) for turn in self._window]
+        finally:
+            self._release()
+        self._warm([new])
+        return target, new
+
+    def history(self, memory_id: str) -> list[Any]:
+        """Every version of a memory of this user, oldest first."""
+        return self.store.history(memory_id, tenant=self.user_id)
+
+    @property
+    def window(self) -> list[tuple[str, str]]:
+        """The working window: (user message, reply) of each turn in it, oldest first."""
+        return [(turn.user, turn.reply) for turn in self._window]
+
+    # ------------------------------------------------------------------ the turn
+
+    def chat(
+        self,
+        message: str,
+        *,
+        stream: bool = False,
+        max_new_tokens: int | None = None,
+        reuse: str | None = None,
+    ) -> Reply | ReplyStream:
+        """Answer ``message`` with recalled memories and the working window, then write back.
+
+        :param stream: return a :class:`ReplyStream` of text pieces.
+        :param reuse: override ``settings.reuse`` for this turn.
+        :raises InvalidInputError: empty, non-text or over-long message, bad parameters.
+        :raises ContextOverflowError: the message does not fit the model even with an empty window.
+        :raises SessionBusyError: another call on this session did not finish in
+            ``settings.busy_timeout_s``, or this thread still holds an open stream of it.
+        :raises StoreError: the store could not be searched or written.
+        """
+        message = inputs.check_text(message, "message")
+        max_new_tokens = inputs.check_positive_int(max_new_tokens or self.settings.max_new_tokens, "max_new_tokens")
+        reuse = inputs.check_reuse(reuse) or self.settings.reuse
+        self._acquire(stream)
+        try:
+            plan = self._plan(message, max_new_tokens)
+            steps = self.engine.generate(
+                plan.messages,
+                reuse=reuse,
+                recompute_ratio=self.settings.recompute_ratio,
+                max_new_tokens=max_new_tokens,
+                stream=True,
+            )
+        except BaseException:
+            self._release()
+            raise
+        reply_stream = ReplyStream(self, plan, steps)
+        if stream:
+            return reply_stream
+        for _ in reply_stream:
+            pass
+        return reply_stream.reply
+
+    async def achat(self, message: str, *, max_new_tokens: int | None = None, reuse: str | None = None) -> Reply:
+        """:meth:`chat`, run in a worker thread so the event loop keeps running."""
+        return await asyncio.to_thread(self.chat, message, max_new_tokens=max_new_tokens, reuse=reuse)
+
+    async def astream(
+        self, message: str, *, max_new_tokens: int | None = None, reuse: str | None = None
+    ) -> AsyncIterator[str]:
+        """:meth:`chat` with ``stream=True``, as an async iterator of text pieces."""
+        reply_stream = await asyncio.to_thread(
+            self.chat, message, stream=True, max_new_tokens=max_new_tokens, reuse=reuse
+        )
+        self._stream_thread = None  # owned by the event loop's task now, not by a worker thread
+        sentinel = object()
+        try:
+            while True:
+                piece = await asyncio.to_thread(next, reply_stream, sentinel)
+                if piece is sentinel:
+                    break
+                yield piece
+        finally:
+            if reply_stream.reply is None:
+                await asyncio.to_thread(reply_stream.close)
+
+    # ------------------------------------------------------------------ internals
+
+    def _acquire(self, stream: bool) -> None:
+        if self._stream_thread == threading.get_ident():
+            raise SessionBusyError(
+                f"session {self.session_id!r} has a streamed reply still open in this thread; read it to the end or close it first"
+            )
+        if not self._lock.acquire(timeout=self.settings.busy_timeout_s):
+            raise SessionBusyError(
+                f"session {self.session_id!r} is busy with another turn (waited {self.settings.busy_timeout_s} s)"
+            )
+        self._stream_thread = threading.get_ident() if stream else None
+
+    def _release(self) -> None:
+        self._stream_thread = None
+        if self._lock.locked():
+            self._lock.release()
+
+    def _system_messages(self) -> list[dict[str, Any]]:
+        if self.settings.system_prompt is None:
+            return []
+        return [{"role": "system", "content": self.settings.system_prompt}]
+
+    def _warm(self, records: Sequence[Any]) -> None:
+        self.engine.warm(list(records), self._system_messages() or None)
+
+    def _visible(self, turns: Sequence[_Turn]) -> set[tuple[str, int]]:
+        """(id, version) of the memories whose text the window already shows."""
+        seen = {(r.id, r.version) for turn in turns for r in turn.recalled}
+        seen.update((turn.archived.id, turn.archived.version) for turn in turns if turn.archived is not None)
+        return seen
+
+    def _correction_target(self, message: str, require_cue: bool = True) -> Any:
+        if require_cue and not is_correction_cue(message):
+            return None
+        hits = self.store.search(message, tenant=self.user_id, k=1)
+        if hits and hits[0].score >= self.settings.correction_min_score:
+            return hits[0]
+        return None
+
+    def _recall(self, message: str, exclude: set[tuple[str, int]]) -> list[Any]:
+        k = self.settings.recall_k
+        found: dict[str, Any] = {}
+        # Two paths: this session's memories cannot be crowded out by the user's other sessions.
+        for hit in self.store.search(message, tenant=self.user_id, session_id=self.session_id, k=k) + self.store.search(
+            message, tenant=self.user_id, k=k
+        ):
+            if hit.score < self.settings.recall_min_score or (hit.id, hit.version) in exclude:
+                continue
+            if hit.id not in found or hit.score > found[hit.id].score:
+                found[hit.id] = hit
+        weight = self.settings.importance_weight
+        ranked = sorted(found.values(), key=lambda r: r.score + weight * r.importance_score, reverse=True)[:k]
+        return ranked[::-1]  # most relevant last: nearest to the question
+
+    def _tokens(self, text: str, recalled: Sequence[Any] = ()) -> int:
+        count = self.engine.count_tokens
+        return count(text) + sum(count(r.text) + 1 for r in recalled) + (2 + _MESSAGE_OVERHEAD if recalled else 0)
+
+    def _plan(self, message: str, max_new_tokens: int) -> _Plan:
+        started = time.perf_counter()
+        turns = list(self._window)
+        correction = None
+        corrected = self._correction_target(message)
+        if corrected is not None:
+            correction = self.store.supersede(corrected.id, message, tenant=self.user_id)
+            turns = [_without(turn, corrected) for turn in turns]
+        exclude = self._visible(turns)
+        if correction is not None:
+            exclude.add((correction.id, correction.version))  # its text is the message itself
+        recalled = self._recall(message, exclude)
+        retrieval_s = time.perf_counter() - started
+
+        needed = self._tokens(message, recalled) + _MESSAGE_OVERHEAD + max_new_tokens
+        evicted: list[_Turn] = []
+        budget = self.settings.window_tokens
+        if sum(t.tokens for t in turns) + needed > budget:
+            target = int(budget * self.settings.window_keep)
+            while turns and sum(t.tokens for t in turns) + needed > target:
+                evicted.append(turns.pop(0))
+            if evicted:  # what shifted out may be recalled again, now that the window no longer shows it
+                recalled = self._recall(message, self._visible(turns) | ({(correction.id, correction.version)} if correction else set()))
+        messages = self._system_messages()
+        for turn in turns:
+            messages.extend(turn.messages())
+        user: dict[str, Any] = {"role": "user", "content": message}
+        if recalled:
+            user["memories"] = recalled
+        messages.append(user)
+        return _Plan(message, recalled, corrected, correction, turns, evicted, messages, retrieval_s)
+
+    def _commit(self, plan: _Plan, result: Any, text: str, stats: Any) -> Reply:
+        """Write the finished turn back: window, archive, stats. Runs once per turn, under the lock."""
+        previous = self._window[-1].reply if self._window else ""
+        importance = self.writeback.importance(plan.message, previous)
+        decision: Decision = "archive" if plan.correction is not None else self.writeback.decide(importance)
+        turn = _Turn(
+            user=plan.message,
+            recalled=tuple(plan.recalled),
+            tokens=self._tokens(plan.message, plan.recalled) + _MESSAGE_OVERHEAD,
+            reply=result.text if result is not None else text,
+            reply_ids=list(result.token_ids) if result is not None else None,
+            importance=importance,
+            decision=decision,
+        )
+        turn.tokens += self.engine.count_tokens(turn.reply) + _MESSAGE_OVERHEAD
+        if plan.correction is not None:
+            turn.archived = plan.correction
+            self._warm([plan.correction])
+        elif decision == "archive":
+            turn.archived = self.store.add(
+                plan.message, tenant=self.user_id, session_id=self.session_id, importance_score=importance
+            )
+            self._warm([turn.archived])
+        self._window = plan.kept_turns + ([turn] if decision != "drop" else [])
+        return Reply(
+            message=plan.message,
+            text=turn.reply,
+            stats=stats,
+            recalled=list(plan.recalled),
+            decision=decision,
+            importance=importance,
+            archived=turn.archived,
+            corrected=plan.corrected,
+            evicted_turns=len(plan.evicted),
+            retrieval_s=plan.retrieval_s,
+            finish_reason=result.finish_reason if result is not None else "interrupted",
+        )
+
+
+def _without(turn: _Turn, record: Any) -> _Turn:
+    """``turn`` without ``record`` (any version of it) among its recalled memories."""
+    kept = tuple(r for r in turn.recalled if r.id != record.id)
+    return turn if len(kept) == len(turn.recalled) else replace(turn, recalled=kept)
