@@ -22,7 +22,7 @@ $(VENV)/.installed: pyproject.toml Makefile
 install: $(VENV)/.installed
 
 demo: install
-	$(PY) examples/demo.py
+	$(VENV)/bin/kvshift demo
 
 test: install
 	$(PY) -m pytest
@@ -31,6 +31,8 @@ bench: install
 	$(PY) benchmarks/ttft.py
 	$(PY) benchmarks/fidelity.py --robustness
 	$(PY) benchmarks/store.py
+	$(PY) benchmarks/writeback.py
+	$(PY) benchmarks/locomo.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -1,10 +1,13 @@
-"""The ``kvshift`` command: look after a memory store from the shell.
+"""The ``kvshift`` command: the demo, a chat with memory, and looking after a memory store.
 
+    kvshift demo                          # two sessions on the bundled model: recall, a correction, TTFT
+    kvshift chat [STORE] --user alice --session trip
     kvshift inspect ./.kvshift            # counts and sizes, as JSON
     kvshift check ./.kvshift              # verify records and blobs; exit 1 if something is unrepaired
     kvshift gc ./.kvshift [--keep-model FINGERPRINT]
 
-A store is a folder (the embedded default) or ``--kv-url redis://…`` (with ``--index-url``).
+A store is a folder (the embedded default) or ``--kv-url redis://…`` (with ``--index-url``);
+``chat`` defaults to ``$KVSHIFT_HOME/store`` (``~/.cache/kvshift/store``).
 """
 
 from __future__ import annotations
@@ -46,6 +49,58 @@ def _gc(args: argparse.Namespace) -> int:
     return 0
 
 
+def _demo(args: argparse.Namespace) -> int:
+    from .demo import run_demo
+
+    return run_demo(args.store, max_new_tokens=args.max_new_tokens)
+
+
+def _chat(args: argparse.Namespace) -> int:
+    """A conversation on the terminal; ``/history ID``, ``/window`` and ``/quit`` are commands."""
+    import torch
+
+    from . import AgentMemory, KVShiftEngine
+    from .engine.loading import kvshift_home
+
+    torch.set_num_threads(min(2, torch.get_num_threads()))
+    if args.path is None and args.kv_url is None:
+        args.path = str(kvshift_home() / "store")
+    engine = KVShiftEngine.from_pretrained(args.model)
+    with _open_store(args) as store:
+        agent = AgentMemory(engine, store, user_id=args.user, session_id=args.session, max_new_tokens=args.max_new_tokens)
+        print(f"kvshift chat: user {args.user!r}, session {args.session!r}, store {store.tier.url}; /quit to leave")
+        while True:
+            try:
+                line = input("you> ")
+            except EOFError:
+                print()
+                return 0
+            if not line.strip():
+                continue
+            if line.strip() == "/quit":
+                return 0
+            if line.strip() == "/window":
+                for user, reply in agent.window:
+                    print(f"  you: {user}\n  bot: {reply}")
+                continue
+            if line.startswith("/history "):
+                for version in agent.history(line.split(maxsplit=1)[1].strip()):
+                    print(f"  v{version.version} [{version.status}] {version.text}")
+                continue
+            try:
+                stream = agent.chat(line, stream=True)
+                print("bot> ", end="", flush=True)
+                for piece in stream:
+                    print(piece, end="", flush=True)
+                reply, stats = stream.reply, stream.reply.stats
+                print(
+                    f"\n     [{reply.ttft_s * 1000:.0f} ms to first token; {stats.reused_tokens}/{stats.prompt_tokens} "
+                    f"prompt tokens reused; {len(reply.recalled)} memories recalled; {reply.decision}]"
+                )
+            except KVShiftError as exc:  # a refused message loses nothing: say why and go on
+                print(f"kvshift: {exc}", file=sys.stderr)
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvshift", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -55,9 +110,19 @@ def _parser() -> argparse.ArgumentParser:
         command.add_argument("path", nargs="?", default=None, help="the store's folder")
         command.add_argument("--kv-url", default=None, help="memory://, redis://… (instead of or with a folder)")
         command.add_argument("--index-url", default=None, help="http(s)://… or :memory: (default: PATH/index)")
-        command.set_defaults(run=run)
+        command.set_defaults(run=run, needs_store=True)
         return command
 
+    demo = commands.add_parser("demo", help="two sessions on the bundled model: recall, a correction, TTFT")
+    demo.add_argument("--store", default=None, help="keep the demo's store in this folder (default: a temporary one)")
+    demo.add_argument("--max-new-tokens", type=int, default=32)
+    demo.set_defaults(run=_demo, needs_store=False)
+    chat = store_command("chat", "talk to the bundled model with a persistent memory", _chat)
+    chat.add_argument("--user", default="me", help="the tenant: whose memories")
+    chat.add_argument("--session", default="default", help="this conversation")
+    chat.add_argument("--model", default=None, help="a local model folder (default: the bundled one)")
+    chat.add_argument("--max-new-tokens", type=int, default=128)
+    chat.set_defaults(needs_store=False)
     store_command("inspect", "counts and sizes of a store", _inspect).add_argument(
         "--model-fingerprint", default=None, help="also count fragments of other models (stale)"
     )
@@ -71,7 +136,7 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit status (2 for a refused request, with a one-line reason)."""
     args = _parser().parse_args(argv)
-    if args.path is None and args.kv_url is None:
+    if args.needs_store and args.path is None and args.kv_url is None:
         print("kvshift: give a store folder or --kv-url", file=sys.stderr)
         return 2
     try:

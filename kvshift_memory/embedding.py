@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import threading
+from collections import OrderedDict
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Protocol
@@ -48,6 +49,9 @@ def bundled_embedding_path() -> Path:
     return path
 
 
+_RECENT_QUERIES = 64
+
+
 class MiniLMEmbedder:
     """Sentence embeddings from a BERT-style encoder (default: the bundled all-MiniLM-L6-v2).
 
@@ -68,6 +72,8 @@ class MiniLMEmbedder:
         self._model = None
         self._tokenizer = None
         self._lock = threading.Lock()
+        # an agent's turn searches twice with the same query (its session, then all sessions)
+        self._recent: OrderedDict[str, list[float]] = OrderedDict()
 
     def _load(self):
         with self._lock:
@@ -90,6 +96,10 @@ class MiniLMEmbedder:
         """
         import torch
 
+        if len(texts) == 1 and texts[0] in self._recent:
+            with self._lock:
+                self._recent.move_to_end(texts[0])
+                return [list(self._recent[texts[0]])]
         model, tokenizer = self._load()
         vectors: list[list[float]] = []
         with torch.inference_mode():
@@ -105,4 +115,9 @@ class MiniLMEmbedder:
                 mask = batch["attention_mask"].unsqueeze(-1).to(hidden.dtype)
                 pooled = (hidden * mask).sum(1) / mask.sum(1).clamp_min(1e-9)
                 vectors.extend(torch.nn.functional.normalize(pooled, dim=-1).tolist())
+        if len(texts) == 1:
+            with self._lock:
+                self._recent[texts[0]] = list(vectors[0])
+                while len(self._recent) > _RECENT_QUERIES:
+                    self._recent.popitem(last=False)
         return vectors

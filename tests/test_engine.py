@@ -278,3 +278,95 @@ def test_sliding_window_falls_back_past_the_window(tokenizer):
     assert short.stats.reuse == "blend"
     long = engine.generate("q", MEMORIES * 6, reuse="blend", max_new_tokens=1)
     assert long.stats.reuse == "prefix" and "sliding attention window" in long.stats.fallback_reason
+
+
+# ---------------------------------------------------------------- memories in messages, replies as ids, cuts
+
+
+def _turns(n: int) -> list[dict]:
+    messages = []
+    for i in range(n):
+        messages.append({"role": "user", "content": f"Turn {i}: tell me one thing about city number {i} in Portugal."})
+        messages.append({"role": "assistant", "content": f"City {i} has a river, an old bridge and a market on Saturdays."})
+    return messages
+
+
+def test_a_memory_in_a_user_message_shares_the_system_placements_fragment(tiny_engine):
+    tiny_engine.clear_cache()
+    tiny_engine.warm(MEMORIES[:2])
+    messages = [{"role": "user", "content": "What about the budget?", "memories": MEMORIES[:2]}]
+    result = tiny_engine.generate(messages, max_new_tokens=3)
+    stats = result.stats
+    assert stats.reuse == "blend" and stats.fragments_hit == 2 and stats.fragments_missed == 0
+    assert _partition_holds(stats)
+
+
+def test_memories_in_two_messages_without_a_cache_are_exact_at_full_recompute(tiny_engine):
+    tiny_engine.clear_cache()
+    messages = [
+        {"role": "user", "content": "First question?", "memories": MEMORIES[:2]},
+        {"role": "assistant", "content": "First answer."},
+        {"role": "user", "content": "Second question?", "memories": MEMORIES[2:]},
+    ]
+    reference = _first_logits(tiny_engine, messages, reuse="none")
+    tiny_engine.clear_cache()
+    blended = _first_logits(tiny_engine, messages, reuse="blend", ratio=1.0)
+    assert (blended - reference).abs().max() < 1e-4  # the earlier group was read as text, the last recomputed
+
+
+def test_a_reply_given_as_its_token_ids_is_read_as_those_ids(tiny_engine, tokenizer):
+    ids = tokenizer("Lisbon is lovely", add_special_tokens=False)["input_ids"]
+    odd = [tokenizer.convert_tokens_to_ids(c) for c in "Lisbon"]  # spelt letter by letter
+    text = tokenizer.decode(odd)
+    assert text == "Lisbon" and tokenizer(text, add_special_tokens=False)["input_ids"] != odd
+    base = [{"role": "user", "content": "Hi"}]
+
+    def prompt(reply_ids, content):
+        messages = base + [{"role": "assistant", "content": content, "token_ids": reply_ids}, {"role": "user", "content": "ok"}]
+        return tiny_engine._plan(messages, None, "none", None, 1)[0].token_ids.tolist()
+
+    assert _contains(prompt(odd, text), odd)  # ids that read back as the content are used as they are
+    assert not _contains(prompt(odd, text + "!"), odd)  # ids that do not are ignored: the text is tokenised
+    assert _contains(prompt(ids, tokenizer.decode(ids)), ids)
+
+
+def _contains(ids: list[int], run: list[int]) -> bool:
+    return any(ids[i : i + len(run)] == run for i in range(len(ids) - len(run) + 1))
+
+
+@pytest.mark.parametrize(
+    "message",
+    [
+        {"role": "system", "content": "s", "memories": ["m"]},
+        {"role": "assistant", "content": "a", "memories": ["m"]},
+        {"role": "user", "content": "u", "token_ids": [1, 2]},
+        {"role": "assistant", "content": "a", "token_ids": "12"},
+        {"role": "assistant", "content": "a", "token_ids": [1, -2]},
+        {"role": "user", "content": "u", "memories": "not a list"},
+        {"role": "user", "content": "u", "memories": [""]},
+        {"role": "user", "content": "u", "extra": 1},
+    ],
+)
+def test_bad_message_keys_are_refused(tiny_engine, message):
+    from kvshift_memory import InvalidInputError
+
+    with pytest.raises(InvalidInputError):
+        tiny_engine.generate([message], max_new_tokens=1)
+
+
+def test_a_prompt_with_a_stretch_cut_out_reuses_what_follows_shifted(tiny_engine):
+    tiny_engine.clear_cache()
+    long = _turns(4) + [{"role": "user", "content": "Which city had the market?"}]
+    first = tiny_engine.generate(long, max_new_tokens=2, reuse="blend")
+    assert first.stats.shifted_tokens == 0
+    cut = long[2:]  # the oldest turn left the window
+    result = tiny_engine.generate(cut, max_new_tokens=2, reuse="blend")
+    stats = result.stats
+    expected = tiny_engine._plan(long[2:-1], None, "none", None, 1)[0].length - tiny_engine._plan(long[:1], None, "none", None, 1)[0].length
+    assert stats.shifted_tokens >= expected - 16  # everything after the cut but the last message
+    assert stats.reused_tokens > stats.shifted_tokens and _partition_holds(stats)
+    tiny_engine.clear_cache()
+    tiny_engine.generate(long, max_new_tokens=2, reuse="prefix")
+    exact = tiny_engine.generate(cut, max_new_tokens=2, reuse="prefix")
+    assert exact.stats.shifted_tokens == 0  # exact reuse never moves K/V
+    assert exact.stats.reused_tokens < stats.reused_tokens

@@ -63,3 +63,37 @@ def test_an_index_of_another_embedder_is_refused(tmp_path):
     QdrantIndex(str(tmp_path / "index"), 4, "test").count()
     with pytest.raises(StoreError, match="embeds with"):
         QdrantIndex(str(tmp_path / "index"), 8, "other").count()
+
+
+def test_the_keyword_path_lifts_a_memory_that_names_the_rare_word(tmp_path):
+    index = QdrantIndex(":memory:", 4, "test")
+    log, states = Log(), {}
+    state_of = lambda t, m: states.get((t, m))  # noqa: E731
+    # every memory is as near the query by embedding; only one names "marley"
+    for n in range(6):
+        log.add("alice", f"m{n}")
+        words = ("dance", "studio", "floor") + (("marley",) if n == 4 else ())
+        states[("alice", f"m{n}")] = IndexedState(1, None, [1.0, 0.1 * n, 0.0, 0.0], words)
+    dense = index.search(vec(0), "alice", None, 3, log.read, state_of)
+    assert "m4" not in [h.memory_id for h in dense]
+    hybrid = index.search(vec(0), "alice", None, 3, log.read, state_of, terms=["marley", "floor"], keyword_weight=0.05)
+    assert hybrid[0].memory_id == "m4"
+    assert hybrid[0].score > dense[0].score  # cosine plus the keyword share
+    # another tenant's keywords are never candidates
+    assert index.search(vec(0), "bob", None, 3, log.read, state_of, terms=["marley"], keyword_weight=1.0) == []
+
+
+def test_an_index_built_without_the_keyword_path_is_rebuilt_from_the_log(tmp_path):
+    from qdrant_client import QdrantClient, models
+
+    folder = tmp_path / "index"
+    old = QdrantClient(path=str(folder))
+    old.create_collection("kvshift_memories", vectors_config=models.VectorParams(size=4, distance=models.Distance.COSINE))
+    old.upsert("kvshift_memories", points=[models.PointStruct(id=1, vector=vec(3), payload={"tenant": "alice"})])
+    old.close()
+    index = QdrantIndex(str(folder), 4, "test", hold_s=0)
+    log, states = Log(), {("alice", "m1"): IndexedState(1, None, vec(0), ("lisbon",))}
+    log.add("alice", "m1")
+    hits = index.search(vec(3), "alice", None, 5, log.read, lambda t, m: states.get((t, m)), terms=["lisbon"], keyword_weight=0.1)
+    assert [h.memory_id for h in hits] == ["m1"]  # the old point is gone, the log was replayed
+    index.close()

@@ -1,7 +1,10 @@
 """The vector index: Qdrant, derived from the records in the KV tier and kept in step through its log.
 
 Records (with their vectors) live in the KV tier; the index only maps vectors to memory ids so a
-search can find them. Every write to a memory first appends ``(tenant, id)`` to the tier's change
+search can find them. Each point has two vectors, searched as two paths and fused: the dense
+embedding, and a sparse vector of the memory's keywords weighted by Qdrant's IDF
+(:mod:`.keywords`); a hit's score is its cosine similarity plus ``keyword_weight`` times its
+keyword score. Every write to a memory first appends ``(tenant, id)`` to the tier's change
 log; :meth:`QdrantIndex.sync` replays the log from where this index stopped, making each named
 memory's point match its current state (live version: upserted; superseded version, deletion:
 removed). Replaying is idempotent, so a crash anywhere leaves an index that the next sync repairs,
@@ -32,10 +35,12 @@ from dataclasses import dataclass
 from filelock import FileLock
 
 from ..exceptions import StoreError
+from .keywords import sparse_terms
 
 __all__ = ["IndexHit", "QdrantIndex"]
 
 COLLECTION = "kvshift_memories"
+_KEYWORDS = "keywords"  # the sparse vector's name; the dense one is Qdrant's unnamed default ""
 _STATE_COLLECTION = "kvshift_sync_state"
 _STATE_POINT = str(uuid.UUID(int=1))
 # An entry whose memory has no head yet is an add in flight (intent logged, head not written);
@@ -58,6 +63,7 @@ class IndexedState:
     version: int
     session_id: str | None
     vector: Sequence[float] | None
+    keywords: Sequence[str] = ()
 
 
 def point_id(tenant: str, memory_id: str) -> str:
@@ -115,10 +121,17 @@ class QdrantIndex:
     def _ensure_collections(self, client) -> None:
         from qdrant_client import models
 
+        if client.collection_exists(COLLECTION) and _KEYWORDS not in (
+            client.get_collection(COLLECTION).config.params.sparse_vectors or {}
+        ):
+            # an index built before the keyword path: it is derived, so rebuild it from the log
+            client.delete_collection(COLLECTION)
+            client.delete_collection(_STATE_COLLECTION)
         if not client.collection_exists(COLLECTION):
             client.create_collection(
                 COLLECTION,
                 vectors_config=models.VectorParams(size=self.dimension, distance=models.Distance.COSINE),
+                sparse_vectors_config={_KEYWORDS: models.SparseVectorParams(modifier=models.Modifier.IDF)},
                 metadata={"embedder": self.embedder_name},
             )
             if self._remote:  # local mode filters without payload indexes (and warns about them)
@@ -148,29 +161,54 @@ class QdrantIndex:
         limit: int,
         read_log: Callable[[int], list[bytes]],
         state_of: Callable[[str, str], IndexedState | None],
+        *,
+        terms: Sequence[str] = (),
+        keyword_weight: float = 0.0,
     ) -> list[IndexHit]:
-        """Bring the index up to date with the log, then the ``limit`` nearest memories of ``tenant``.
+        """Bring the index up to date with the log, then the ``limit`` best memories of ``tenant``.
 
-        The tenant (and session, when given) filter is part of the query itself: another
-        tenant's points are never candidates.
+        Both paths fetch ``limit`` candidates; a candidate found by one path only gets the other
+        path's score too (its stored vector is read back; a keyword score absent from a list
+        shorter than ``limit`` is zero, and at most the list's lowest otherwise, taken as zero).
+        The tenant (and session, when given) filter is part of both queries: another tenant's
+        points are never candidates.
         """
         from qdrant_client import models
 
         conditions = [models.FieldCondition(key="tenant", match=models.MatchValue(value=tenant))]
         if session_id is not None:
             conditions.append(models.FieldCondition(key="session_id", match=models.MatchValue(value=session_id)))
+        query_filter = models.Filter(must=conditions)
         with self._session() as client:
             self._sync(client, read_log, state_of)
-            points = client.query_points(
-                COLLECTION, query=list(vector), query_filter=models.Filter(must=conditions), limit=limit, with_payload=True
-            ).points
-        hits = []
-        for point in points:
+            dense = client.query_points(COLLECTION, query=list(vector), query_filter=query_filter, limit=limit, with_payload=True).points
+            sparse = []
+            indices, values = sparse_terms(terms)
+            if indices and keyword_weight > 0:
+                sparse = client.query_points(
+                    COLLECTION,
+                    query=models.SparseVector(indices=indices, values=values),
+                    using=_KEYWORDS,
+                    query_filter=query_filter,
+                    limit=limit,
+                    with_payload=True,
+                ).points
+            cosine = {str(p.id): float(p.score) for p in dense}
+            missing = [str(p.id) for p in sparse if str(p.id) not in cosine]
+            if missing:
+                for point in client.retrieve(COLLECTION, ids=missing, with_vectors=[""]):
+                    stored = point.vector[""] if isinstance(point.vector, dict) else point.vector
+                    cosine[str(point.id)] = _cosine(vector, stored)
+        keyword = {str(p.id): float(p.score) for p in sparse}
+        hits = {}
+        for point in [*dense, *sparse]:
             payload = point.payload or {}
-            if payload.get("tenant") != tenant:  # the filter already did this; a forged point cannot pass either
+            pid = str(point.id)
+            if payload.get("tenant") != tenant or pid in hits:  # the filter already did this; a forged point cannot pass either
                 continue
-            hits.append(IndexHit(tenant, str(payload.get("memory_id")), int(payload.get("version", 0)), float(point.score)))
-        return hits
+            score = cosine.get(pid, 0.0) + keyword_weight * keyword.get(pid, 0.0)
+            hits[pid] = IndexHit(tenant, str(payload.get("memory_id")), int(payload.get("version", 0)), score)
+        return sorted(hits.values(), key=lambda hit: hit.score, reverse=True)[:limit]
 
     def sync(self, read_log: Callable[[int], list[bytes]], state_of: Callable[[str, str], IndexedState | None]) -> int:
         """Replay the log; returns how many memories were reconciled."""
@@ -247,8 +285,12 @@ class QdrantIndex:
         if state.vector is None:
             batch.delete(pid)
         else:
+            from qdrant_client import models
+
             payload = {"tenant": tenant, "memory_id": memory_id, "version": state.version, "session_id": state.session_id}
-            batch.upsert(pid, list(state.vector), payload)
+            indices, values = sparse_terms(state.keywords)
+            vectors = {"": list(state.vector), _KEYWORDS: models.SparseVector(indices=indices, values=values)}
+            batch.upsert(pid, vectors, payload)
         return True
 
     @staticmethod
@@ -271,6 +313,12 @@ class QdrantIndex:
                 self._client = None
 
 
+def _cosine(a: Sequence[float], b: Sequence[float]) -> float:
+    dot = sum(x * y for x, y in zip(a, b))
+    norm = (sum(x * x for x in a) * sum(y * y for y in b)) ** 0.5
+    return dot / norm if norm else 0.0
+
+
 class _Batch:
     """Point writes gathered and sent a few hundred at a time (one call per point is slow in local mode).
 
@@ -284,7 +332,7 @@ class _Batch:
         self._client = client
         self._writes: dict[str, tuple | None] = {}
 
-    def upsert(self, pid: str, vector: list[float], payload: dict) -> None:
+    def upsert(self, pid: str, vector: dict, payload: dict) -> None:
         self._writes[pid] = (vector, payload)
         if len(self._writes) >= self._SIZE:
             self.flush()

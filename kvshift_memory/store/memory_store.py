@@ -38,6 +38,7 @@ from .. import inputs
 from ..blobs import check_codec, codec_label, read_header, verify_blob
 from ..exceptions import CorruptFragmentError, InvalidInputError, MemoryNotFoundError, StoreError, VersionConflictError
 from .index import IndexedState, QdrantIndex
+from .keywords import keywords
 from .records import MemoryRecord, text_hash
 from .tiers import BLOB_PREFIX, HotTier, KVTier, open_tier
 
@@ -106,6 +107,9 @@ class MemoryStore:
         searches opens it once (42 ms a search instead of 134 ms at 2000 memories, README); meanwhile
         another process sharing the folder waits. Stores of one process share a folder's client
         (the first one opened sets the hold).
+    :param keyword_weight: how much the keyword path adds to a hit's score (a hit's ``score`` is
+        its cosine similarity plus this times its IDF-weighted keyword overlap); ``0`` searches by
+        embedding alone. The default comes from ``benchmarks/locomo.py`` (see the README).
     :raises InvalidInputError: bad arguments; ``StoreError``: a backend cannot be opened.
     """
 
@@ -120,6 +124,7 @@ class MemoryStore:
         group_size: int = 32,
         hot_bytes: int = 256 << 20,
         index_hold_s: float = 2.0,
+        keyword_weight: float = 0.05,
     ) -> None:
         if path is None and kv_url is None:
             raise InvalidInputError("give a folder (MemoryStore(path)) or a kv_url")
@@ -129,6 +134,9 @@ class MemoryStore:
         inputs.check_non_negative_int(hot_bytes, "hot_bytes")
         if isinstance(index_hold_s, bool) or not isinstance(index_hold_s, (int, float)) or not 0 <= index_hold_s <= 3600:
             raise InvalidInputError(f"index_hold_s must be a number of seconds in [0, 3600], got {index_hold_s!r}")
+        if isinstance(keyword_weight, bool) or not isinstance(keyword_weight, (int, float)) or not 0 <= keyword_weight <= 10:
+            raise InvalidInputError(f"keyword_weight must be a number in [0, 10], got {keyword_weight!r}")
+        self.keyword_weight = float(keyword_weight)
         self.codec, self.group_size = codec, group_size
         if path is not None:
             try:
@@ -198,7 +206,8 @@ class MemoryStore:
     def search(self, query: str, *, tenant: str, session_id: str | None = None, k: int = 4) -> list[MemoryRecord]:
         """The ``k`` live memories of ``tenant`` (and ``session_id``, when given) nearest ``query``.
 
-        :returns: records, best first, each with ``score`` (cosine similarity).
+        :returns: records, best first, each with ``score`` (cosine similarity, plus the keyword
+            path's share: see ``keyword_weight``).
         :raises InvalidInputError: empty query, bad ids, ``k`` outside 1..1000.
         """
         tenant, session_id = self._ids(tenant, session_id)
@@ -208,7 +217,16 @@ class MemoryStore:
             raise InvalidInputError(f"k must be at most {MAX_SEARCH_K}, got {k}")
         vector = self.embedder.embed([query])[0]
         # a few extra candidates: expired memories stay indexed until gc() and are skipped here
-        hits = self.index.search(vector, tenant, session_id, k + 16, self._read_log, self._index_state)
+        hits = self.index.search(
+            vector,
+            tenant,
+            session_id,
+            k + 16,
+            self._read_log,
+            self._index_state,
+            terms=keywords(query),
+            keyword_weight=self.keyword_weight,
+        )
         found = []
         for hit in hits:
             record = self._live(tenant, hit.memory_id)
@@ -578,7 +596,7 @@ class MemoryStore:
         vector = _unpack_vector(self.tier.get(_k("e", tenant, memory_id, head["v"])), self.index.dimension)
         if record is None or vector is None:
             return IndexedState(head["v"], None, None)
-        return IndexedState(head["v"], record.session_id, vector)
+        return IndexedState(head["v"], record.session_id, vector, memory_keywords(record))
 
     def _erase(self, tenant: str, memory_id: str, head: dict, report: GCReport) -> dict:
         """Tombstone a memory and return its new head; gc's one scan of records, vectors and blobs
@@ -669,3 +687,8 @@ def _expiry(ttl_s: Any, now: float) -> float | None:
     if isinstance(ttl_s, bool) or not isinstance(ttl_s, (int, float)) or not 0 < ttl_s < 1e11:
         raise InvalidInputError(f"ttl_s must be a positive number of seconds or None, got {ttl_s!r}")
     return now + float(ttl_s)
+
+
+def memory_keywords(record: MemoryRecord) -> list[str]:
+    """What the keyword path indexes for a memory: its text's keywords and its ``semantic_keywords``."""
+    return keywords(" ".join([record.text, *record.semantic_keywords]))
