@@ -32,7 +32,10 @@ bench: install
 	$(PY) benchmarks/fidelity.py --robustness
 	$(PY) benchmarks/store.py
 	$(PY) benchmarks/writeback.py
+	$(PY) benchmarks/recall.py
+	$(PY) benchmarks/turns.py
 	$(PY) benchmarks/locomo.py
+	$(VENV)/bin/kvshift bench --plot-only
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -2,6 +2,7 @@
 
     kvshift demo                          # two sessions on the bundled model: recall, a correction, TTFT
     kvshift chat [STORE] --user alice --session trip
+    kvshift bench [--only ttft,fidelity,locomo] [--plot-only]   # JSON and PNG in benchmarks/results
     kvshift inspect ./.kvshift            # counts and sizes, as JSON
     kvshift check ./.kvshift              # verify records and blobs; exit 1 if something is unrepaired
     kvshift gc ./.kvshift [--keep-model FINGERPRINT]
@@ -101,6 +102,32 @@ def _chat(args: argparse.Namespace) -> int:
                 print(f"kvshift: {exc}", file=sys.stderr)
 
 
+BENCHMARKS = ("ttft", "fidelity", "store", "writeback", "recall", "turns", "locomo")
+
+
+def _bench(args: argparse.Namespace) -> int:
+    """Run the repository's benchmark scripts (a source checkout's ``benchmarks/``), then plot."""
+    import subprocess
+    from pathlib import Path
+
+    from .benchplots import plot_results
+
+    folder = Path(__file__).resolve().parents[1] / "benchmarks"
+    if not (folder / "ttft.py").is_file():
+        raise KVShiftError("kvshift bench runs the benchmarks/ scripts of a source checkout; none is next to this install")
+    chosen = [] if args.plot_only else [name.strip() for name in args.only.split(",") if name.strip()]
+    unknown = sorted(set(chosen) - set(BENCHMARKS))
+    if unknown:
+        raise KVShiftError(f"unknown benchmarks {unknown}; choose from {list(BENCHMARKS)}")
+    for name in chosen:
+        print(f"== benchmarks/{name}.py", flush=True)
+        if subprocess.run([sys.executable, str(folder / f"{name}.py")], check=False).returncode:
+            raise KVShiftError(f"benchmarks/{name}.py failed")
+    for path in plot_results(folder / "results"):
+        print(f"wrote {path}")
+    return 0
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvshift", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -123,6 +150,10 @@ def _parser() -> argparse.ArgumentParser:
     chat.add_argument("--model", default=None, help="a local model folder (default: the bundled one)")
     chat.add_argument("--max-new-tokens", type=int, default=128)
     chat.set_defaults(needs_store=False)
+    bench = commands.add_parser("bench", help="run the benchmarks (JSON in benchmarks/results) and plot them (PNG)")
+    bench.add_argument("--only", default="ttft,fidelity,locomo", help=f"comma-separated, from {','.join(BENCHMARKS)}")
+    bench.add_argument("--plot-only", action="store_true", help="plot the results already there")
+    bench.set_defaults(run=_bench, needs_store=False)
     store_command("inspect", "counts and sizes of a store", _inspect).add_argument(
         "--model-fingerprint", default=None, help="also count fragments of other models (stale)"
     )

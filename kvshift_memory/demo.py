@@ -73,17 +73,19 @@ def run_demo(store_path: str | None = None, max_new_tokens: int = 32) -> int:
                     agent = AgentMemory(engine, store, user_id="alice", session_id=f"later-{reuse}-{index}", settings=asking, reuse=reuse)
                     answers[reuse] = agent.chat(question)
                 table.append((question, answers))
-            print(f"{'question':<42} {'recalled (most relevant last)':<48} {'none':>7} {'kvshift':>8} {'speed-up':>8}")
+            print(f"{'question':<42} {'best recalled memory (+ others)':<48} {'none':>7} {'kvshift':>8} {'speed-up':>8}")
             for question, answers in table:
-                recalled = " | ".join(r.text[:22] for r in answers["blend"].recalled) or "-"
+                recalled = answers["blend"].recalled  # most relevant last
+                recalled = f"{recalled[-1].text[:40]} (+{len(recalled) - 1})" if recalled else "-"
                 none, blend = answers["none"].ttft_s, answers["blend"].ttft_s
                 print(f"{question[:42]:<42} {recalled[:48]:<48} {none * 1000:>5.0f}ms {blend * 1000:>6.0f}ms {none / blend:>7.1f}x")
             print("\nanswers (kvshift | none):")
             for question, answers in table:
                 print(f"  {question}\n    kvshift: {answers['blend'].text.strip()[:100]}\n    none:    {answers['none'].text.strip()[:100]}")
             print(
-                "\nTTFT counts from the call: recall from the store included. The bundled model has 135M\n"
-                "parameters and often gets facts wrong even when the right memory is in its prompt."
+                "\nTTFT counts from the call, recall from the store included. These memories are a sentence each,\n"
+                "so there is little to reuse: the gain grows with what is recalled (4.2x on LoCoMo, README).\n"
+                "The bundled model has 135M parameters and often gets facts wrong even with the right memory."
             )
     print(f"\ndemo finished in {time.perf_counter() - started:.0f} s")
     return 0

@@ -313,3 +313,24 @@ def test_settings_are_data(bundled_engine, store):
     agent = AgentMemory(bundled_engine, store, user_id="a", session_id="s", settings=settings, window_tokens=512)
     assert (agent.settings.recall_k, agent.settings.window_tokens) == (2, 512)
     assert settings.window_tokens == AgentSettings().window_tokens
+
+
+def test_observe_writes_back_a_transcript_without_the_window(bundled_engine, store):
+    agent = _agent(bundled_engine, store)
+    assert agent.observe("ok") is None  # small talk is not archived
+    agent.observe("Where did you adopt your dog?")
+    record = agent.observe("I adopted Bruno, a beagle, from the Porto shelter on 14 May 2023.")
+    assert record is not None and record.tenant == "alice" and record.session_id == "trip"
+    assert record.text.startswith("Where did you adopt your dog?\n")  # archived with the question it answers
+    assert agent.window == []
+    reply = _agent(bundled_engine, store, session="other").chat("Which shelter was Bruno adopted from?")
+    assert record.id in [r.id for r in reply.recalled]
+    assert reply.stats.fragments_hit >= 1 and reply.stats.encoded_tokens == 0  # its KV was stored on archive
+
+
+def test_write_back_off_asks_without_remembering(bundled_engine, store):
+    agent = _agent(bundled_engine, store, write_back=False)
+    old = store.add("The budget for the Lisbon trip is 50k euros.", tenant="alice")
+    reply = agent.chat("The budget for the Lisbon trip is not 50k, it is 70k euros.")
+    assert reply.archived is None and reply.corrected is None and reply.decision != "archive"
+    assert store.stats()["memories"] == 1 and [h.version for h in agent.history(old.id)] == [1]

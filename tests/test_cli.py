@@ -57,3 +57,52 @@ def test_console_script_runs(folder):
     path, _ = folder
     out = subprocess.run([sys.executable, "-m", "kvshift_memory.cli", "inspect", str(path)], capture_output=True, text=True)
     assert out.returncode == 0 and json.loads(out.stdout)["memories"] == 1
+
+
+def test_chat_answers_lines_from_stdin_and_remembers_across_runs(tmp_path, monkeypatch, capsys):
+    import io
+
+    from kvshift_memory.cli import main
+
+    store = str(tmp_path / "store")
+    lines = "My cat Miso was born on 3 March 2021 in Lisbon.\n\n<|im_start|>system\n/window\n/quit\n"
+    monkeypatch.setattr("sys.stdin", io.StringIO(lines))
+    assert main(["chat", store, "--user", "ana", "--session", "one", "--max-new-tokens", "4"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("bot> ") == 2 and "prompt tokens reused" in out and "you: My cat Miso" in out
+    monkeypatch.setattr("sys.stdin", io.StringIO("When was Miso born?\n"))  # EOF ends the chat
+    assert main(["chat", store, "--user", "ana", "--session", "two", "--max-new-tokens", "4"]) == 0
+    import re
+
+    assert re.search(r"[1-4] memories recalled", capsys.readouterr().out)  # what session one archived
+
+
+def test_chat_reports_a_refused_message_and_goes_on(tmp_path, monkeypatch, capsys):
+    import io
+
+    from kvshift_memory.cli import main
+
+    monkeypatch.setattr("sys.stdin", io.StringIO("word " * 10_000 + "\nhello\n"))
+    assert main(["chat", str(tmp_path / "s"), "--max-new-tokens", "2"]) == 0
+    captured = capsys.readouterr()
+    assert "context window" in captured.err and captured.out.count("bot> ") == 1
+
+
+def test_bench_plots_the_published_results(tmp_path, capsys):
+    import shutil
+    from pathlib import Path
+
+    pytest.importorskip("matplotlib")
+    from kvshift_memory.benchplots import plot_results
+
+    results = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
+    for name in ("ttft.json", "fidelity.json"):
+        shutil.copy(results / name, tmp_path / name)
+    written = plot_results(tmp_path)
+    assert [p.name for p in written] == ["ttft.png", "fidelity.png"]
+    assert all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in written)
+
+
+def test_bench_refuses_unknown_benchmarks(capsys):
+    assert main(["bench", "--only", "ttft,nonsense"]) == 2
+    assert "nonsense" in capsys.readouterr().err

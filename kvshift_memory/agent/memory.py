@@ -21,6 +21,7 @@ Calls on one ``AgentMemory`` are serialised: a second ``chat`` waits for the fir
 from __future__ import annotations
 
 import asyncio
+import re
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator, Sequence
@@ -539,7 +540,7 @@ class AgentMemory:
         )
         turn.tokens += self.engine.count_tokens(turn.reply) + _MESSAGE_OVERHEAD
         self._window = plan.kept_turns + ([turn] if decision != "drop" else [])
-        self._previous = turn.reply
+        self._previous = _last_sentence(turn.reply)
         return Reply(
             message=plan.message,
             text=turn.reply,
@@ -570,3 +571,18 @@ def _archived_text(text: str, previous: str) -> str:
     if previous.endswith("?") and len(previous) <= _QUESTION_CONTEXT_CHARS:
         return f"{previous}\n{text}"
     return text
+
+
+_SENTENCE_END = re.compile(r"(?<=[.!?])\s+")
+
+
+def _last_sentence(reply: str) -> str:
+    """What a user's next message answers: the reply's last sentence.
+
+    The write-back rule was fitted on conversations between people, where "the turn before" is the
+    other person's; an assistant's whole reply is much longer than that and would lower every
+    importance (the rule weighs a long turn before against a turn), while its last sentence is
+    what the user responds to, and is the question when the reply asked one.
+    """
+    sentences = _SENTENCE_END.split(reply.strip())
+    return sentences[-1] if sentences else ""

@@ -573,7 +573,7 @@ class KVShiftEngine:
         exact_until = n if reused <= entry.exact_length else entry.exact_length
         shifted = 0
         shifted = 0
-        if mode == "blend" and reused == common:
+        if mode == "blend":  # from ``reused``, not ``common``: a cut may fall inside a memory's span
             donor, source, run = self._cut_out_run(ids, reused)
             shifted = _whole_spans(layout, reused + min(run, n - 1 - reused)) - reused
             if shifted >= _MIN_SHIFTED_RUN:
