@@ -106,3 +106,13 @@ def test_bench_plots_the_published_results(tmp_path, capsys):
 def test_bench_refuses_unknown_benchmarks(capsys):
     assert main(["bench", "--only", "ttft,nonsense"]) == 2
     assert "nonsense" in capsys.readouterr().err
+
+
+def test_demo_runs_both_sessions_with_recall_and_a_correction(capsys):
+    assert main(["demo", "--max-new-tokens", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "(corrects a memory)" in out and "v1 [superseded]" in out and "v2 [live]" in out
+    session_2 = out.split("== session 2")[1]
+    assert "speed-up" in session_2 and "The budget for the Lisbon trip is not 50" in session_2  # v2 recalled first
+    assert "My dog Biscuit" in session_2  # archived in session 1, recalled in session 2
+    assert "demo finished" in out
