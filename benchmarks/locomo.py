@@ -243,6 +243,10 @@ def main() -> None:
             summary[condition]["fragments_hit_mean"] = statistics.mean(row[condition]["fragments_hit"] for row in rows)
     summary["same_recall"] = statistics.mean(row["rag"]["recalled"] == row["kvshift"]["recalled"] for row in rows)
     summary["kvshift_ttft_speedup_vs_rag"] = summary["rag"]["ttft_median_s"] / summary["kvshift"]["ttft_median_s"]
+    summary["learned_costs"] = {  # what the engine's cost model learned here (engine/costs.py)
+        "pass_seconds_per_token": engine.costs.pass_token_s(),
+        "fetch_seconds_40_tokens": engine.costs.fetch_s(40),
+    }
     report["summary"] = summary
     print(f"\n{len(rows)} questions; k = {args.k}; TTFT from the call, retrieval included (full: warm prefix)")
     print(f"{'condition':>10} {'accuracy':>9} {'F1':>6} {'TTFT med':>9} {'recall@k sess':>14} {'turn':>6} {'frag hit':>9}")
@@ -251,6 +255,12 @@ def main() -> None:
         recall = f"{s['session_recall_at_k']:14.3f} {s['turn_recall_at_k']:6.3f} {s['fragments_hit_mean']:9.2f}" if "session_recall_at_k" in s else ""
         print(f"{condition:>10} {s['accuracy']:9.3f} {s['f1']:6.3f} {s['ttft_median_s'] * 1000:7.0f}ms {recall}")
     print(f"kvshift TTFT {summary['kvshift_ttft_speedup_vs_rag']:.2f}x lower than text RAG at the median; same recall in {summary['same_recall']:.0%}")
+    costs = summary["learned_costs"]
+    if costs["pass_seconds_per_token"] is not None and costs["fetch_seconds_40_tokens"] is not None:
+        print(
+            f"cost model: {costs['pass_seconds_per_token'] * 1000:.2f} ms a token of a pass, "
+            f"{costs['fetch_seconds_40_tokens'] * 1000:.2f} ms to fetch a 40-token fragment"
+        )
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(report, indent=1))
     print(f"wrote {args.output}")

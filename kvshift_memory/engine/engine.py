@@ -22,6 +22,7 @@ from ..kv.rope import rotate_
 from .. import inputs
 from .attention import ATTENTION_NAME
 from .blend import choose_recompute
+from .costs import CostModel
 from .families import PositionScheme, position_scheme
 from .loading import load_model, model_fingerprint, resolve_dtype
 from .pool import BytePool
@@ -185,6 +186,8 @@ class KVShiftEngine:
         self._fragments: BytePool[Fragment] = BytePool(self.settings.fragment_cache_bytes, lambda f: f.nbytes)
         # per store, the record fragments known to be in it (weak: a closed store is forgotten)
         self._stored: weakref.WeakKeyDictionary[Any, set[tuple]] = weakref.WeakKeyDictionary()
+        #: what a forward pass and a fragment fetch cost here, learned from this engine's own calls
+        self.costs = CostModel()
 
     @classmethod
     def from_pretrained(
@@ -359,6 +362,13 @@ class KVShiftEngine:
     @torch.inference_mode()
     def _forward(self, cache: ShiftCache, ids: torch.Tensor, step: ForwardStep, logits: str = "last") -> torch.Tensor | None:
         """Run ``ids`` at ``step.slots`` over ``cache``; ``logits``: ``"last"``, ``"all"`` or ``"none"``."""
+        started = time.perf_counter()
+        try:
+            return self._forward_pass(cache, ids, step, logits)
+        finally:
+            self.costs.observe_pass(int(ids.numel()), time.perf_counter() - started)
+
+    def _forward_pass(self, cache: ShiftCache, ids: torch.Tensor, step: ForwardStep, logits: str) -> torch.Tensor | None:
         with cache.stepping(step):
             if logits == "none":  # the decoder alone: the LM head would read the whole vocabulary matrix
                 self.model.base_model(input_ids=ids[None], position_ids=step.slots[None], cache=cache, use_cache=True)
@@ -465,6 +475,7 @@ class KVShiftEngine:
         if source is None:
             return None, "encoded"
         variant, _, expect = self._stored_identity(source, span.record, context_digest)
+        started = time.perf_counter()
         try:
             blob = source.load_fragment(span.record, variant)
         except StoreError as exc:  # a fragment is an accelerator: without the store, encode from text
@@ -486,6 +497,7 @@ class KVShiftEngine:
         except CorruptFragmentError as exc:
             source.discard_fragment(span.record, variant, str(exc))
             return None, "re-encoded"
+        self.costs.observe_fetch(len(span.token_ids), time.perf_counter() - started)
         return fragment, "store"
 
     def _known_stored(self, span: FragmentSpan, context_digest: str) -> bool:
@@ -522,15 +534,20 @@ class KVShiftEngine:
 
     @torch.inference_mode()
     def _place(self, cache: ShiftCache, spans: list[FragmentSpan], fragments: list[Fragment]) -> None:
-        """Copy the fragments into their (adjacent) spans, then rotate the whole region once per layer."""
-        deltas = torch.cat([torch.full((s.end - s.start,), s.start - f.base_position) for s, f in zip(spans, fragments)])
+        """Copy the fragments into their spans, then rotate each run of adjacent spans at once."""
         for layer in range(self.num_layers):
             cache.reserve(layer, fragments[0].keys[layer], fragments[0].values[layer])
             keys, values = cache.buffer(layer)
             for span, fragment in zip(spans, fragments):
                 keys[..., span.start : span.end, :].copy_(fragment.keys[layer])
                 values[..., span.start : span.end, :].copy_(fragment.values[layer])
-        self._rotate(cache, spans[0].start, deltas)
+        run_start, deltas = spans[0].start, []
+        for index, (span, fragment) in enumerate(zip(spans, fragments)):
+            deltas.append(torch.full((span.end - span.start,), span.start - fragment.base_position))
+            if index + 1 == len(spans) or spans[index + 1].start != span.end:
+                self._rotate(cache, run_start, torch.cat(deltas))
+                if index + 1 < len(spans):
+                    run_start, deltas = spans[index + 1].start, []
 
     def _rotate(self, cache: ShiftCache, start: int, deltas: torch.Tensor) -> None:
         """Move the keys in slots ``[start, start + len(deltas))`` by ``deltas`` positions (RoPE re-encoding)."""
@@ -636,37 +653,57 @@ class KVShiftEngine:
 
         first = new_spans[0].start
         self._prefill_exact(cache, ids, reused, first, logits="none")
-        fragments, origins = self._fetch_fragments(layout, new_spans)
-        self._place(cache, new_spans, fragments)
+        # The cost model may find a short stored fragment cheaper to recompute than to fetch.
+        inline = [span for span in new_spans if self._recompute_instead(layout, span)]
+        fetched = [span for span in new_spans if span not in inline]
+        origins = dict.fromkeys(map(id, inline), "recomputed")
+        if fetched:
+            fragments, fetched_origins = self._fetch_fragments(layout, fetched)
+            self._place(cache, fetched, fragments)
+            origins.update(zip(map(id, fetched), fetched_origins))
+        for span in inline:  # its K/V is computed in the pass below; the selection pass must read no garbage
+            for layer in range(self.num_layers):
+                keys, values = cache.buffer(layer)
+                keys[..., span.start : span.end, :].zero_()
+                values[..., span.start : span.end, :].zero_()
         exact_until = min(exact_until, first)
         tail = layout.tail_start
-        slots = torch.cat([torch.arange(s.start, s.end) for s in new_spans])
-        count = round(ratio * slots.numel())
+        candidates = [torch.arange(s.start, s.end) for s in fetched]
+        total = sum(s.end - s.start for s in new_spans)
+        count = round(ratio * total)
         if ratio > 0:
-            count = max(count, min(slots.numel(), self.settings.min_recompute_tokens))
+            count = max(count, min(total, self.settings.min_recompute_tokens))
+        count = min(count, sum(c.numel() for c in candidates))
+        forced = torch.cat([torch.arange(s.start, s.end) for s in inline]) if inline else torch.zeros(0, dtype=torch.long)
         if count > 0:
             capture: list[torch.Tensor] = []
             selection = ForwardStep(torch.arange(tail, n), n, capture=capture, capture_queries=_SELECTION_QUERIES)
             self._forward(cache, ids[tail:n], selection, logits="none")
-            chosen = choose_recompute(capture, [(s.start, s.end) for s in new_spans], count)
+            chosen = choose_recompute(capture, [(s.start, s.end) for s in fetched], count)
+            chosen = torch.cat([chosen, forced]).sort().values
+        else:
+            chosen = forced
+        if chosen.numel():
             queries = torch.cat([chosen, torch.arange(tail, n)])
             step = ForwardStep(
                 queries,
                 key_length=n,
                 # recomputing every fragment token is a full recompute: no window, so it is exact
-                local_window=None if count == slots.numel() else self.settings.recompute_window,
+                local_window=None if chosen.numel() == total else self.settings.recompute_window,
                 local_before=tail,
                 anchor=layout.anchor_length,
             )
             logits = self._forward(cache, ids[queries], step)
         else:
-            chosen = slots[:0]
             logits = self._prefill_exact(cache, ids, tail, n)
         recomputed = torch.zeros(n, dtype=torch.bool)
         recomputed[chosen] = True
-        for span, origin in zip(new_spans, origins):
+        for span in new_spans:
+            origin = origins[id(span)]
             kept = span.end - span.start - int(recomputed[span.start : span.end].sum())
-            if origin in ("pool", "store"):
+            if origin == "recomputed":
+                stats.fragments_recomputed += 1
+            elif origin in ("pool", "store"):
                 stats.fragments_hit += 1
                 stats.fragments_loaded += origin == "store"
                 stats.reused_tokens += kept
@@ -677,6 +714,20 @@ class KVShiftEngine:
         stats.recomputed_tokens = int(chosen.numel())
         stats.prefilled_tokens = (first - reused) + (n - tail)
         return _Prepared(cache, logits[-1], stats, exact_until)
+
+    def _recompute_instead(self, layout: PromptLayout, span: FragmentSpan) -> bool:
+        """Whether the cost model finds a stored memory cheaper to recompute than to fetch.
+
+        Only a memory with a store and whose fragment is not in this process's pool is a
+        candidate (a pooled fragment costs a copy; a text without a record has nowhere to be
+        fetched from).
+        """
+        if getattr(span.record, "fragment_source", None) is None:
+            return False
+        if not self.costs.recompute_cheaper(len(span.token_ids)):
+            return False
+        context_digest = digest_ids(layout.conditioning.tolist() + self._encode_context_ids.tolist())
+        return self._fragments.get((context_digest, digest_ids(span.token_ids))) is None
 
     def _warm(self, layout: PromptLayout) -> int:
         _, origins = self._fetch_fragments(layout, list(layout.fragments))

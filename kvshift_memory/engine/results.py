@@ -35,6 +35,8 @@ class ReuseStats:
     :param fragments_loaded: of the hits, those fetched from a memory store's tier.
     :param fragments_rejected: stored fragments refused (corrupt, or not matching the memory) and
         re-encoded from text instead.
+    :param fragments_recomputed: stored memories the cost model found cheaper to recompute with
+        the question than to fetch (their tokens count as recomputed).
     :param recompute_ratio: the share of fragment tokens the blend was asked to recompute.
     :param fallback_reason: why the requested reuse was not applied, when it was not.
     """
@@ -52,6 +54,7 @@ class ReuseStats:
     fragments_missed: int = 0
     fragments_loaded: int = 0
     fragments_rejected: int = 0
+    fragments_recomputed: int = 0
     recompute_ratio: float = 0.0
     generated_tokens: int = 0
     decode_tokens_per_s: float = 0.0
