@@ -370,3 +370,16 @@ def test_a_prompt_with_a_stretch_cut_out_reuses_what_follows_shifted(tiny_engine
     exact = tiny_engine.generate(cut, max_new_tokens=2, reuse="prefix")
     assert exact.stats.shifted_tokens == 0  # exact reuse never moves K/V
     assert exact.stats.reused_tokens < stats.reused_tokens
+
+
+def test_a_prefix_already_cached_is_not_cached_twice(tiny_engine):
+    tiny_engine.clear_cache()
+    tiny_engine.warm(MEMORIES[:1])
+    entries = len(tiny_engine._prefixes)
+    for memory in MEMORIES[1:]:
+        tiny_engine.warm([memory])  # each encode re-reads the same conditioning prefix
+    assert len(tiny_engine._prefixes) == entries
+    tiny_engine.generate("Hello?", max_new_tokens=2)
+    grown = len(tiny_engine._prefixes)
+    tiny_engine.generate("Hello?", max_new_tokens=2, reuse="prefix")  # the same prompt and answer again
+    assert len(tiny_engine._prefixes) == grown

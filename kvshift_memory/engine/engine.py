@@ -396,6 +396,9 @@ class KVShiftEngine:
         """Keep slots ``[0, filled)`` of ``cache`` (views, no copy: nothing writes there again)."""
         if filled == 0 or self.settings.prefix_cache_bytes <= 0:
             return
+        known, common = self._lookup_prefix(ids[:filled])
+        if known is not None and common == filled and known.exact_length >= min(exact_until, filled):
+            return  # already cached (every fragment encode re-reads the same prefix): keep one copy
         kv = cache.view(0, filled)
         nbytes = sum(k.untyped_storage().nbytes() + v.untyped_storage().nbytes() for k, v in kv)
         entry = _PrefixEntry(ids[:filled].clone(), kv, min(exact_until, filled), nbytes)
