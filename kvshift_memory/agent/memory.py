@@ -59,7 +59,7 @@ class AgentSettings:
     :param recompute_ratio: the blend's share of recalled fragment tokens recomputed (``None``: the
         engine's default). Default 0, shift only: a turn's prompt is short, and the blend's repair
         (a second pass) costs about what reuse saves. On LoCoMo (``benchmarks/locomo.py``, README)
-        shift-only answered as accurately as text RAG at 4.2x lower TTFT; the engine's 10 % repair
+        shift-only answered as accurately as text RAG at 3.9-4.2x lower TTFT; the engine's 10 % repair
         answered better (0.367 against 0.300 contains-answer) at only 1.64x.
     :param correction_min_score: a correction supersedes the closest memory only when at least this
         similar to it.
