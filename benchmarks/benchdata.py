@@ -17,7 +17,7 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["Instance", "build_instances", "locomo_dir", "memorybank_instances"]
+__all__ = ["Instance", "build_instances", "locomo_dir", "memorybank_instances", "write_report"]
 
 MIN_FRAGMENT_TOKENS = 40
 MAX_FRAGMENT_TOKENS = 250
@@ -133,3 +133,10 @@ def memorybank_instances(count: int, count_tokens, kind: str = "exchanges", seed
         picked = rng.sample(memories, min(size, len(memories)))
         instances.append(Instance(name, question.strip('"'), "", tuple(picked), ()))
     return instances
+
+
+def write_report(path: Path, report: dict) -> None:
+    """Write a benchmark's JSON report (creating its folder) and say where."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=1))
+    print(f"wrote {path}")

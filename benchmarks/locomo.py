@@ -45,7 +45,7 @@ import torch
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from benchdata import locomo_dir  # noqa: E402
+from benchdata import locomo_dir, write_report  # noqa: E402
 
 from kvshift_memory import AgentMemory, AgentSettings, KVShiftEngine, MemoryStore  # noqa: E402
 
@@ -261,9 +261,7 @@ def main() -> None:
             f"cost model: {costs['pass_seconds_per_token'] * 1000:.2f} ms a token of a pass, "
             f"{costs['fetch_seconds_40_tokens'] * 1000:.2f} ms to fetch a 40-token fragment"
         )
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps(report, indent=1))
-    print(f"wrote {args.output}")
+    write_report(args.output, report)
 
 
 if __name__ == "__main__":

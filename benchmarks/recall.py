@@ -31,7 +31,7 @@ import torch
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from benchdata import locomo_dir  # noqa: E402
+from benchdata import locomo_dir, write_report  # noqa: E402
 from locomo import sessions, turn_text  # noqa: E402
 
 from kvshift_memory import MemoryStore  # noqa: E402
@@ -96,9 +96,7 @@ def main() -> None:
     print(f"{'keyword_weight':>15} {'session recall':>15} {'turn recall':>12}")
     for weight, result in report["results"].items():
         print(f"{weight:>15} {result['session_recall_at_k']:15.3f} {result['turn_recall_at_k']:12.3f}")
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps(report, indent=1))
-    print(f"wrote {args.output}")
+    write_report(args.output, report)
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ import torch
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from benchdata import locomo_dir  # noqa: E402
+from benchdata import locomo_dir, write_report  # noqa: E402
 from locomo import sessions  # noqa: E402
 
 from kvshift_memory import AgentMemory, KVShiftEngine, MemoryStore  # noqa: E402
@@ -96,9 +96,7 @@ def main() -> None:
         f"{summary['second_half_median_ttft_blend_s'] * 1000:.0f}), none {summary['median_ttft_none_s'] * 1000:.0f} ms; "
         f"{summary['median_reused_share']:.1%} of the prompt reused at the median; the window shifted {summary['window_shifts']} times"
     )
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps(report, indent=1))
-    print(f"wrote {args.output}")
+    write_report(args.output, report)
 
 
 if __name__ == "__main__":

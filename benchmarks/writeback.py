@@ -28,8 +28,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
-import re
 import sys
 from pathlib import Path
 
@@ -38,7 +36,7 @@ import torch
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from benchdata import locomo_dir  # noqa: E402
+from benchdata import locomo_dir, write_report  # noqa: E402
 
 from kvshift_memory.agent.writeback import FEATURES, WriteBackModel, turn_features  # noqa: E402
 
@@ -184,9 +182,7 @@ def main() -> None:
         model = fit_rule(raw, y, args.archive_share)
         MODEL_FILE.write_text(json.dumps({**vars(model), "features": FEATURES, "fitted_by": report["command"]}, indent=1) + "\n")
         print(f"wrote {MODEL_FILE}")
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps(report, indent=1))
-    print(f"\nwrote {args.output}")
+    write_report(args.output, report)
 
 
 if __name__ == "__main__":

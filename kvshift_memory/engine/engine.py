@@ -420,7 +420,7 @@ class KVShiftEngine:
         conditioning = torch.cat([layout.conditioning, self._encode_context_ids])
         start = conditioning.numel()
         scratch = self._prefilled(conditioning, max(len(s.token_ids) for s in spans))
-        context_digest = digest_ids(conditioning.tolist())
+        context_digest = self._context_digest(layout)
         fragments = []
         for span in spans:
             end = start + len(span.token_ids)
@@ -443,8 +443,7 @@ class KVShiftEngine:
         :returns: the fragments, and where each came from: ``"pool"``, ``"store"``, ``"encoded"``
             or ``"re-encoded"`` (its stored blob was refused).
         """
-        conditioning = layout.conditioning.tolist() + self._encode_context_ids.tolist()
-        context_digest = digest_ids(conditioning)
+        context_digest = self._context_digest(layout)
         keys = [(context_digest, digest_ids(span.token_ids)) for span in spans]
         found: list[Fragment | None] = []
         origins: list[str] = []
@@ -592,7 +591,6 @@ class KVShiftEngine:
                 cache.write(layer, 0, keys[..., :reused, :], values[..., :reused, :])
         exact_until = n if reused <= entry.exact_length else entry.exact_length
         shifted = 0
-        shifted = 0
         if mode == "blend":  # from ``reused``, not ``common``: a cut may fall inside a memory's span
             donor, source, run = self._cut_out_run(ids, reused)
             shifted = _whole_spans(layout, reused + min(run, n - 1 - reused)) - reused
@@ -729,8 +727,11 @@ class KVShiftEngine:
             return False
         if not self.costs.recompute_cheaper(len(span.token_ids)):
             return False
-        context_digest = digest_ids(layout.conditioning.tolist() + self._encode_context_ids.tolist())
-        return self._fragments.get((context_digest, digest_ids(span.token_ids))) is None
+        return self._fragments.get((self._context_digest(layout), digest_ids(span.token_ids))) is None
+
+    def _context_digest(self, layout: PromptLayout) -> str:
+        """The digest of what the layout's fragments are encoded after (conditioning + encode context)."""
+        return digest_ids(layout.conditioning.tolist() + self._encode_context_ids.tolist())
 
     def _warm(self, layout: PromptLayout) -> int:
         _, origins = self._fetch_fragments(layout, list(layout.fragments))
