@@ -12,6 +12,7 @@ import transformers
 from conftest import TINY_CONFIGS, VOCAB, tiny_model
 
 from kvshift_memory import GenerationResult, GenerationStream, KVShiftEngine, ScoreResult
+from kvshift_memory.engine.prompt import TokenMemo
 
 MEMORIES = [
     "Budget for the Lisbon trip: 50k euros.",
@@ -236,6 +237,27 @@ def test_special_tokens_in_content_stay_text(tiny_engine, tokenizer):
     special = tokenizer.convert_tokens_to_ids("<|im_start|>")
     clean, *_ = tiny_engine._plan([{"role": "user", "content": "hello"}], ["hello"], "none", None, 1)
     assert (layout.token_ids == special).sum() == (clean.token_ids == special).sum()
+
+
+def test_token_memo_keeps_special_token_text_apart_and_stays_bounded(tokenizer):
+    memo = TokenMemo(tokenizer, capacity_ids=64)
+    structure = memo.encode("<|im_start|>", split_special=False)
+    assert len(structure) == 1  # a template piece: the special token itself
+    as_text = memo.encode("<|im_start|>")  # the same text as content, after the piece was memoised
+    assert len(as_text) > 1 and structure[0] not in as_text
+    long_text = "word " * 200
+    assert memo.encode(long_text) == tuple(tokenizer(long_text, add_special_tokens=False)["input_ids"])
+    for n in range(40):
+        memo.encode(f"memory number {n} about Lisbon")
+    assert memo._held <= 64 and ("memory number 39 about Lisbon", True) in memo._ids
+
+
+def test_repeated_prompts_are_tokenised_the_same(tiny_engine):
+    messages = [{"role": "user", "content": "Where is the meeting?"}]
+    first, *_ = tiny_engine._plan(messages, MEMORIES, "blend", None, 1)
+    again, *_ = tiny_engine._plan(messages, MEMORIES, "blend", None, 1)
+    assert torch.equal(first.token_ids, again.token_ids) and first.fragments == again.fragments
+    assert torch.equal(first.conditioning, again.conditioning)
 
 
 def test_warm_encodes_once(tiny_engine):

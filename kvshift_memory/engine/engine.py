@@ -26,7 +26,7 @@ from .costs import CostModel
 from .families import PositionScheme, position_scheme
 from .loading import load_model, model_fingerprint, resolve_dtype
 from .pool import BytePool
-from .prompt import FragmentSpan, PromptLayout, build_layout, common_prefix, digest_ids
+from .prompt import FragmentSpan, PromptLayout, TokenMemo, build_layout, common_prefix, digest_ids
 from .results import GenerationResult, ReuseStats, ScoreResult
 
 __all__ = ["EngineSettings", "GenerationStream", "KVShiftEngine"]
@@ -169,6 +169,7 @@ class KVShiftEngine:
         self.model = model.eval()
         self.model.set_attn_implementation(ATTENTION_NAME)
         self.tokenizer = tokenizer
+        self._tokens = TokenMemo(tokenizer)
         self.fingerprint = fingerprint or model_fingerprint(model, tokenizer)
         self.position_scheme: PositionScheme = position_scheme(model)
         config = model.config.get_text_config(decoder=True)
@@ -178,10 +179,7 @@ class KVShiftEngine:
         self.kv_heads = int(getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
         self.head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
         self.eos_token_ids = self._eos_ids()
-        self._encode_context_ids = torch.tensor(
-            tokenizer(self.settings.encode_context, add_special_tokens=False, split_special_tokens=True)["input_ids"],
-            dtype=torch.long,
-        )
+        self._encode_context_ids = torch.tensor(self._tokens.encode(self.settings.encode_context), dtype=torch.long)
         self._prefixes: BytePool[_PrefixEntry] = BytePool(self.settings.prefix_cache_bytes, lambda e: e.nbytes)
         self._fragments: BytePool[Fragment] = BytePool(self.settings.fragment_cache_bytes, lambda f: f.nbytes)
         # per store, the record fragments known to be in it (weak: a closed store is forgotten)
@@ -284,7 +282,7 @@ class KVShiftEngine:
         started = time.perf_counter()
         continuation = inputs.check_continuation(continuation)
         if isinstance(continuation, str):
-            cont_ids = self.tokenizer(continuation, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+            cont_ids = list(self._tokens.encode(continuation))
         else:
             cont_ids = continuation
             if max(cont_ids) >= self.vocab_size:
@@ -321,7 +319,7 @@ class KVShiftEngine:
     def count_tokens(self, text: str) -> int:
         """Tokens ``text`` takes as message content."""
         text = inputs.check_text(text, "text", allow_empty=True)
-        return len(self.tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"])
+        return len(self._tokens.encode(text))
 
     # ------------------------------------------------------------------ planning
 
@@ -335,7 +333,7 @@ class KVShiftEngine:
             if "memories" in message:
                 given.extend(message["memories"])
                 message["memories"] = inputs.check_memories(message["memories"])
-        layout = build_layout(self.tokenizer, messages, texts, self.settings.system_prompt, self.settings.memory_header)
+        layout = build_layout(self._tokens, messages, texts, self.settings.system_prompt, self.settings.memory_header)
         records = [None if isinstance(memory, str) else memory for memory in given]
         layout = replace(layout, fragments=tuple(replace(s, record=r) for s, r in zip(layout.fragments, records)))
         for index, span in enumerate(layout.fragments):
