@@ -20,6 +20,7 @@ from ..kv.codec import CodecSpec, decode_fragment, encode_fragment
 from ..kv.fragment import Fragment
 from ..kv.rope import rotate_
 from .. import inputs
+from .allocator import keep_freed_memory
 from .attention import ATTENTION_NAME
 from .blend import choose_recompute
 from .costs import CostModel
@@ -65,6 +66,10 @@ class EngineSettings:
         after the prefix alone.
     :param prefix_cache_bytes: bound on the K/V of earlier prompts kept for exact prefix reuse.
     :param fragment_cache_bytes: bound on the encoded memory fragments kept in this process.
+    :param keep_freed_memory: on Linux with glibc, keep freed blocks of up to 32 MiB (and up to
+        1 GiB of free heap) mapped for reuse, so that each generation's new cache does not fault
+        its pages in again (a 2k-token prefix copy measured 17-27 ms without, 5-9 ms with). It is
+        process-wide, as choosing jemalloc is; ``False`` leaves malloc as it was.
     """
 
     system_prompt: str = "You are a helpful assistant."
@@ -75,6 +80,7 @@ class EngineSettings:
     encode_context: str = field(default_factory=builtin_encode_context)
     prefix_cache_bytes: int = 1 << 30
     fragment_cache_bytes: int = 1 << 30
+    keep_freed_memory: bool = True
 
     def __post_init__(self) -> None:
         inputs.check_ratio(self.recompute_ratio)
@@ -84,6 +90,9 @@ class EngineSettings:
         inputs.check_positive_int(self.recompute_window, "recompute_window")
         for name in ("min_recompute_tokens", "prefix_cache_bytes", "fragment_cache_bytes"):
             inputs.check_non_negative_int(getattr(self, name), name)
+        for name in ("keep_freed_memory",):
+            if not isinstance(getattr(self, name), bool):
+                raise InvalidInputError(f"{name} must be True or False, not {getattr(self, name)!r}")
 
 
 @dataclass(eq=False)
@@ -166,6 +175,8 @@ class KVShiftEngine:
         **overrides: Any,
     ) -> None:
         self.settings = replace(settings or EngineSettings(), **overrides)
+        if self.settings.keep_freed_memory:
+            keep_freed_memory()
         self.model = model.eval()
         self.model.set_attn_implementation(ATTENTION_NAME)
         self.tokenizer = tokenizer
