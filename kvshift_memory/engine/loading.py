@@ -147,20 +147,32 @@ def bundled_model_folder() -> Path:
     return target
 
 
+def weight_sample(tensor: torch.Tensor) -> torch.Tensor:
+    """A strided subset of about 4096 of ``tensor``'s values, as float64 (what the fingerprint digests)."""
+    flat = tensor.detach().reshape(-1)
+    return flat[:: max(1, flat.numel() // 4096)].to(torch.float64).cpu()
+
+
 def model_fingerprint(model: torch.nn.Module, tokenizer) -> str:
     """A digest of what decides a fragment's K/V: config, weights and tokenizer vocabulary.
 
     Weights are digested by sampling every tensor's name, shape, dtype and a strided subset of
     its values: a different checkpoint changes it, while digesting every byte would cost seconds.
+    A layer packed for oneDNN (:class:`~kvshift_memory.engine.packing.PackedLinear`) contributes
+    the sample taken from its dense weight when it was packed, so packing leaves the digest as it was.
     """
+    from .packing import PackedLinear
+
+    with torch.no_grad():
+        samples = {name: (tuple(t.shape), t.dtype, weight_sample(t)) for name, t in model.state_dict().items()}
+        for name, module in model.named_modules():
+            if isinstance(module, PackedLinear):
+                samples[f"{name}.weight" if name else "weight"] = module.weight_digest
     sha = hashlib.sha256()
     sha.update(model.config.to_json_string(use_diff=False).encode())
-    with torch.no_grad():
-        for name, tensor in sorted(model.state_dict().items()):
-            flat = tensor.detach().reshape(-1)
-            sample = flat[:: max(1, flat.numel() // 4096)].to(torch.float64).cpu()
-            sha.update(f"{name}:{tuple(tensor.shape)}:{tensor.dtype}".encode())
-            sha.update(sample.numpy().tobytes())
+    for name, (shape, dtype, sample) in sorted(samples.items(), key=lambda item: item[0]):
+        sha.update(f"{name}:{shape}:{dtype}".encode())
+        sha.update(sample.numpy().tobytes())
     vocab = tokenizer.get_vocab()
     sha.update(json.dumps(sorted(vocab.items()), ensure_ascii=False).encode())
     sha.update(str(getattr(tokenizer, "chat_template", "")).encode())
