@@ -13,7 +13,9 @@ fresh session under four conditions, same model, same run:
 - ``kvshift``: the same recall with the stored fragments, ``reuse="blend"``.
 
 Before the questions the engine's fragment pool and the store's RAM tier are emptied, so
-fragments come from the store's disk tier, as in a new process. Reported per condition:
+fragments come from the store's disk tier, as in a new process; before each recall condition the
+store's RAM tier and the embedder's recent queries are emptied again, so each condition embeds its
+query (the first one would otherwise pay for the second's). Reported per condition:
 contains-answer accuracy, token F1, TTFT (from the call, retrieval included) median and mean; for
 the recall conditions session recall@k (a recalled memory comes from an evidence session), turn
 recall@k (the evidence turn itself was recalled) and fragments hit. Data is read from
@@ -196,6 +198,8 @@ def main() -> None:
                 # kvshift first: "rag" leaves its exact prompt in the prefix cache, which kvshift
                 # would then reuse whole (recomputing nothing) instead of placing fragments
                 for condition, reuse in (("kvshift", "blend"), ("rag", "none")):
+                    # each pays its own query embedding (the embedder keeps recent queries' vectors)
+                    store.clear_cache()
                     agent = AgentMemory(
                         engine, store, user_id=sample_id, session_id=f"{condition}-q{index}", settings=asking, reuse=reuse
                     )

@@ -32,6 +32,11 @@ class Embedder(Protocol):
     name: str
     dimension: int
 
+    def clear_cache(self) -> None:
+        """Forget the vectors of recent queries (a measurement then pays for every embedding)."""
+        with self._lock:
+            self._recent.clear()
+
     def embed(self, texts: Sequence[str]) -> list[list[float]]: ...
 
 
@@ -72,7 +77,7 @@ class MiniLMEmbedder:
         self._model = None
         self._tokenizer = None
         self._lock = threading.Lock()
-        # an agent's turn searches twice with the same query (its session, then all sessions)
+        # an agent's turn may search twice with the same message (a correction's target, then recall)
         self._recent: OrderedDict[str, list[float]] = OrderedDict()
 
     def _load(self):
@@ -88,6 +93,11 @@ class MiniLMEmbedder:
                     raise ModelLoadError(f"cannot load the embedding model from {path}: {exc}") from exc
                 self.dimension = int(self._model.config.hidden_size)
         return self._model, self._tokenizer
+
+    def clear_cache(self) -> None:
+        """Forget the vectors of recent queries (a measurement then pays for every embedding)."""
+        with self._lock:
+            self._recent.clear()
 
     def embed(self, texts: Sequence[str]) -> list[list[float]]:
         """Unit-length vectors, one per text.

@@ -140,8 +140,9 @@ class Reply:
     :param archived: the memory the message was archived as (or the correction's new version).
     :param corrected: the memory version this message superseded, when it was a correction.
     :param evicted_turns: turns that left the window before this one.
-    :param retrieval_s: seconds spent on corrections and searching the store, before the engine
-        started (its ``stats.ttft_s`` counts from there; :attr:`ttft_s` is the sum).
+    :param retrieval_s: seconds from the call until the engine started: corrections, the store
+        search and assembling the prompt (the engine's ``stats.ttft_s`` counts from there;
+        :attr:`ttft_s` is the sum).
     :param finish_reason: ``"stop"``, ``"length"``, or ``"interrupted"`` (a stream closed early).
     """
 
@@ -505,7 +506,6 @@ class AgentMemory:
         if correction is not None:
             exclude.add((correction.id, correction.version))  # its text is the message itself
         recalled = self._recall(message, exclude)
-        retrieval_s = time.perf_counter() - started
 
         needed = self._tokens(message, recalled) + _MESSAGE_OVERHEAD + max_new_tokens
         evicted: list[_Turn] = []
@@ -523,6 +523,7 @@ class AgentMemory:
         if recalled:
             user["memories"] = recalled
         messages.append(user)
+        retrieval_s = time.perf_counter() - started
         return _Plan(message, recalled, corrected, correction, turns, evicted, messages, retrieval_s)
 
     def _commit(self, plan: _Plan, result: Any, text: str, stats: Any) -> Reply:

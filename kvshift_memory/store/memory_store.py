@@ -452,8 +452,12 @@ class MemoryStore:
         return out
 
     def clear_cache(self) -> None:
-        """Forget the fragment blobs held in this process's RAM (measurements start cold with this)."""
+        """Forget the fragment blobs held in this process's RAM, and the embedder's recent query
+        vectors when it keeps any (measurements start cold with this)."""
         self._hot.clear()
+        forget_queries = getattr(self.embedder, "clear_cache", None)
+        if callable(forget_queries):
+            forget_queries()
 
     def close(self) -> None:
         self.index.close()
