@@ -14,6 +14,9 @@ Every repeat runs all conditions back to back (so machine noise hits them alike)
 medians over ``--repeats`` after one warm-up, with ``torch.set_num_threads(2)``.
 
     python benchmarks/ttft.py            # ~4 min on 2 cores
+    python benchmarks/ttft.py --sizes 2048 --no-pack-weights      # an A/B of one engine setting
+
+The decoding speed after each size's prompt (32 tokens, greedy) is reported too.
 
 Prints a table and writes ``benchmarks/results/ttft.json``.
 """
@@ -72,11 +75,15 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--recompute-ratio", type=float, default=None, help="blend's ratio (default: the engine's)")
+    parser.add_argument("--no-pack-weights", action="store_true", help="EngineSettings.pack_weights=False (an A/B)")
+    parser.add_argument("--no-keep-freed-memory", action="store_true", help="EngineSettings.keep_freed_memory=False (an A/B)")
     parser.add_argument("--output", type=Path, default=RESULTS / "ttft.json")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
-    engine = KVShiftEngine.from_pretrained()
+    engine = KVShiftEngine.from_pretrained(
+        pack_weights=not args.no_pack_weights, keep_freed_memory=not args.no_keep_freed_memory
+    )
     ratio = engine.settings.recompute_ratio if args.recompute_ratio is None else args.recompute_ratio
     pool = [m for instance in build_instances(60, engine.count_tokens, seed=11) for m in instance.memories]
     pool = list(dict.fromkeys(pool))
@@ -87,6 +94,9 @@ def main() -> None:
         "threads": args.threads,
         "repeats": args.repeats,
         "recompute_ratio": ratio,
+        "pack_weights": engine.settings.pack_weights,
+        "keep_freed_memory": engine.settings.keep_freed_memory,
+        "decode_tokens_per_s": {},
         "question_tokens": engine.count_tokens(QUESTION),
         "machine": f"{platform.machine()} {platform.processor() or ''} torch {torch.__version__}",
         "sizes": {},
@@ -103,6 +113,9 @@ def main() -> None:
                 if repeat:  # the first round warms up allocators and caches
                     runs[condition].append(seconds)
         prompt = engine.generate(QUESTION, memories, reuse="none", max_new_tokens=1).stats.prompt_tokens
+        # decoding speed after the prompt (the prompt is cached now, so this is quick)
+        decode = engine.generate(QUESTION, memories, reuse="prefix", max_new_tokens=32).stats.decode_tokens_per_s
+        report["decode_tokens_per_s"][str(size)] = decode
         medians = {c: statistics.median(v) for c, v in runs.items()}
         spread = {c: (min(v), max(v)) for c, v in runs.items()}
         speedup = {c: medians["none"] / medians[c] for c in conditions}
@@ -115,7 +128,7 @@ def main() -> None:
             "runs_s": runs,
         }
         cells = " ".join(f"{medians[c]:>7.3f}s {speedup[c]:>5.1f}x" for c in conditions)
-        print(f"{size:>8} {prompt:>7} {cells}", flush=True)
+        print(f"{size:>8} {prompt:>7} {cells}  decode {decode:.1f} tok/s", flush=True)
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(report, indent=1))
     print(f"\nblend recomputes {ratio:.0%} of fragment tokens; wrote {args.output}")
