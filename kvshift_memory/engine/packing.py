@@ -3,10 +3,11 @@
 On CPU, ``torch.nn.Linear`` calls MKL's GEMM, which lays the weight out again for its kernels on
 every call. The passes reuse leaves to the engine are short (a question of 20-40 tokens, one
 token per decoding step), and there that repacking is a large share of the work: on the 2-core VM,
-the bundled model decoded 16-19 tokens/s with ``nn.Linear`` and 23-28 with weights packed once,
-and prefilled a 30-token question over a cached 2k-token prefix in 158-167 ms instead of
-126-129 ms (full prefill gained 5 %). oneDNN ships inside every CPU build of PyTorch; its linear
-kernel is reached through the ``torch.ops.mkldnn`` operators that PyTorch's own compiler uses.
+the bundled model decoded 13.5 tokens/s with ``nn.Linear`` and 21.7 with weights packed once, and
+prefilled a 26-token question over a cached 2k-token prefix in 136 ms instead of 183 ms
+(``benchmarks/ttft.py --no-pack-weights``, README). oneDNN ships inside every CPU build of
+PyTorch; its linear kernel is reached through the ``torch.ops.mkldnn`` operators that PyTorch's
+own compiler uses.
 
 Packing is checked once against ``torch.nn.functional.linear`` and skipped (the model left as
 loaded) where those operators are missing, the model is not on the CPU or not in float32, or the
