@@ -1,0 +1,92 @@
+"""ChatKVShift on the bundled model: LangChain's standard integration tests, and what reuse promises."""
+
+from __future__ import annotations
+
+import itertools
+
+from langchain_core.messages import AIMessage, HumanMessage, SystemMessage
+from langchain_tests.integration_tests import ChatModelIntegrationTests
+
+from langchain_kvshift import ChatKVShift
+
+SYSTEM = (
+    "You are a travel assistant for a small team planning trips to Lisbon, Porto and Madrid. "
+    "Budgets are in euros; dates are in European format; answer in one or two sentences."
+)
+_unique = itertools.count()
+
+
+class TestChatKVShiftIntegration(ChatModelIntegrationTests):
+    @property
+    def chat_model_class(self) -> type[ChatKVShift]:
+        return ChatKVShift
+
+    @property
+    def chat_model_params(self) -> dict:
+        return {"max_tokens": 24, "temperature": 0}
+
+    @property
+    def supports_model_override(self) -> bool:
+        return False  # one engine holds one model's weights and K/V: another model is another instance
+
+    @property
+    def supported_usage_metadata_details(self) -> dict:
+        details = ["cache_read_input", "cache_creation_input"]
+        return {"invoke": details, "stream": details}
+
+    def invoke_with_cache_read_input(self, *, stream: bool = False) -> AIMessage:
+        llm = ChatKVShift(**self.chat_model_params)
+        history = [SystemMessage(SYSTEM), HumanMessage("Which cities are we visiting?")]
+        first = llm.invoke(history)
+        follow_up = [*history, first, HumanMessage("Which one is in Spain?")]
+        message = _collect(llm, follow_up) if stream else llm.invoke(follow_up)
+        assert message.usage_metadata["input_token_details"]["cache_read"] > 0  # the first turn was reused
+        return message
+
+    def invoke_with_cache_creation_input(self, *, stream: bool = False) -> AIMessage:
+        llm = ChatKVShift(**self.chat_model_params)
+        never_seen = [SystemMessage(f"{SYSTEM} Request {next(_unique)}."), HumanMessage("Hello")]
+        message = _collect(llm, never_seen) if stream else llm.invoke(never_seen)
+        assert message.usage_metadata["input_token_details"]["cache_creation"] > 0
+        return message
+
+
+def _collect(llm: ChatKVShift, messages) -> AIMessage:
+    full = None
+    for chunk in llm.stream(messages):
+        full = chunk if full is None else full + chunk
+    return full
+
+
+def test_a_conversation_reads_most_of_each_prompt_from_the_cache():
+    llm = ChatKVShift(max_tokens=24)
+    history = [SystemMessage(SYSTEM)]
+    for turn, question in enumerate(["Which cities are we visiting?", "What currency is the budget in?",
+                                     "How are dates written?", "Which city is in Spain?"]):
+        history.append(HumanMessage(question))
+        reply = llm.invoke(history)
+        history.append(reply)
+        usage = reply.usage_metadata
+        details = usage["input_token_details"]
+        assert details["cache_read"] + details["cache_creation"] == usage["input_tokens"]
+        if turn:  # everything but the new question and its template tokens came from the cache
+            assert details["cache_read"] >= 0.8 * usage["input_tokens"], usage
+        assert reply.response_metadata["reuse_stats"]["reused_tokens"] == details["cache_read"]
+
+
+def test_exact_reuse_answers_as_full_recompute():
+    reusing, recomputing = ChatKVShift(max_tokens=20, reuse="prefix"), ChatKVShift(max_tokens=20, reuse="none")
+    history = [SystemMessage(SYSTEM)]
+    for question in ["Which cities are we visiting?", "Which one is in Spain?"]:
+        history.append(HumanMessage(question))
+        reply, baseline = reusing.invoke(history), recomputing.invoke(history)
+        assert reply.content == baseline.content
+        history.append(reply)
+
+
+def test_a_stream_closed_early_leaves_the_model_usable():
+    llm = ChatKVShift(max_tokens=24)
+    stream = llm.stream("Tell me about Lisbon.")
+    next(stream)
+    stream.close()
+    assert llm.invoke("Tell me about Lisbon.").content
