@@ -63,7 +63,8 @@ def check_messages(messages: Any) -> list[dict[str, Any]]:
     """Accept a string (one user message) or a non-empty list of ``{"role", "content"}`` dicts.
 
     A user message may also carry ``"memories"`` (texts or records, placed inside that message,
-    before its content); an assistant message may carry ``"token_ids"``, the ids it was generated
+    before its content, or at the character offset ``"memories_at"`` of it, without a header: a
+    framework's flat prompt that had them there); an assistant message may carry ``"token_ids"``, the ids it was generated
     as (used when they decode to its content, so that a reply is read back as the very tokens
     whose K/V are cached).
 
@@ -94,6 +95,13 @@ def check_messages(messages: Any) -> list[dict[str, Any]]:
         if message.get("memories"):
             check_memories(message["memories"])
             entry["memories"] = list(message["memories"])
+            at = message.get("memories_at")
+            if at is not None:
+                if isinstance(at, bool) or not isinstance(at, int) or not 0 <= at <= len(content):
+                    raise InvalidInputError(
+                        f"messages[{index}]['memories_at'] must be a character offset into its content (0..{len(content)}), got {at!r}"
+                    )
+                entry["memories_at"] = at
         if message.get("token_ids") is not None:
             entry["token_ids"] = _check_token_ids(message["token_ids"], f"messages[{index}]['token_ids']")
         checked.append(entry)
@@ -102,7 +110,7 @@ def check_messages(messages: Any) -> list[dict[str, Any]]:
 
 _MESSAGE_KEYS = {
     "system": {"role", "content"},
-    "user": {"role", "content", "memories"},
+    "user": {"role", "content", "memories", "memories_at"},
     "assistant": {"role", "content", "token_ids"},
 }
 

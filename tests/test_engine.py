@@ -13,6 +13,7 @@ from conftest import TINY_CONFIGS, VOCAB, tiny_model
 
 from kvshift_memory import GenerationResult, GenerationStream, KVShiftEngine, ScoreResult
 from kvshift_memory.engine.prompt import TokenMemo
+from kvshift_memory.exceptions import InvalidInputError
 
 MEMORIES = [
     "Budget for the Lisbon trip: 50k euros.",
@@ -258,6 +259,26 @@ def test_repeated_prompts_are_tokenised_the_same(tiny_engine):
     again, *_ = tiny_engine._plan(messages, MEMORIES, "blend", None, 1)
     assert torch.equal(first.token_ids, again.token_ids) and first.fragments == again.fragments
     assert torch.equal(first.conditioning, again.conditioning)
+
+
+def test_memories_at_an_offset_sit_there_and_are_placed_as_fragments(tiny_engine, tokenizer):
+    content = "Facts you know:\nHuman: where is the meeting?\nAI:"
+    at = content.index("Human")
+    message = {"role": "user", "content": content, "memories": MEMORIES[2:], "memories_at": at}
+    layout, *_ = tiny_engine._plan([message], None, "blend", None, 1)
+    text = tokenizer.decode(layout.token_ids)
+    assert f"Facts you know:\n{MEMORIES[2]}\n{MEMORIES[3]}\nHuman: where is the meeting?" in text
+    assert [span.text for span in layout.fragments] == MEMORIES[2:]
+    assert tokenizer.decode(layout.token_ids[layout.fragments[0].start : layout.fragments[-1].end]) == "\n".join(MEMORIES[2:]) + "\n"
+    stats = tiny_engine.generate([message], reuse="blend", max_new_tokens=2).stats
+    assert stats.fragments_hit + stats.fragments_missed == 2
+
+
+@pytest.mark.parametrize("at", [-1, 10_000, True, "3", 2.0])
+def test_a_bad_memories_offset_is_refused(tiny_engine, at):
+    message = {"role": "user", "content": "Where is it?", "memories": MEMORIES[:1], "memories_at": at}
+    with pytest.raises(InvalidInputError, match="memories_at"):
+        tiny_engine.generate([message], max_new_tokens=1)
 
 
 def test_warm_encodes_once(tiny_engine):

@@ -15,6 +15,9 @@ its content, introduced by the same header::
 
     <memory header>\\n<memory 1>\\n...\\n\\n<content>
 
+or, with ``"memories_at"``, at that offset of its content, without a header (a framework's flat
+prompt, whose own text introduces them).
+
 Either way a memory's fragment is encoded after the same *conditioning*: the system message up to
 where its memories would start, so one fragment serves both places.
 """
@@ -166,11 +169,12 @@ def build_layout(
         content = message["content"]
         if message.get("memories"):
             memory_texts.extend(message["memories"])
-            content = (
-                sentinel(f"{memory_header}\n")
-                + "".join(sentinel(f"{text}\n", True) for text in message["memories"])
-                + sentinel(f"\n{content}")
-            )
+            placed = "".join(sentinel(f"{text}\n", True) for text in message["memories"])
+            at = message.get("memories_at")
+            if at is None:
+                content = sentinel(f"{memory_header}\n") + placed + sentinel(f"\n{content}")
+            else:  # where the caller's text had them, introduced by the caller's own words
+                content = sentinel(content[:at]) + placed + sentinel(content[at:])
         else:
             ids = message.get("token_ids")
             if ids is not None and tokens.tokenizer.decode(ids) != content:
