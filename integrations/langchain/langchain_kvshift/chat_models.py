@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from langchain_core.callbacks import CallbackManagerForLLMRun
@@ -28,7 +28,8 @@ from langchain_core.messages import (
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
 from pydantic import ConfigDict, Field
 
-from kvshift_memory import GenerationResult, InvalidInputError, KVShiftEngine
+from kvshift_memory import GenerationResult, InvalidInputError, KVShiftEngine, MemoryStore
+from kvshift_memory.markers import resolve_markers, strip_markers
 
 __all__ = ["ChatKVShift"]
 
@@ -73,25 +74,52 @@ def _text(message: BaseMessage, index: int) -> str:
     return "".join(parts)
 
 
-def to_engine_messages(messages: Sequence[BaseMessage]) -> list[dict[str, str]]:
+def _with_memories(text: str, resolve: Callable[[str], list[Any]] | None) -> dict[str, Any]:
+    """A user message whose marked memories (DESIGN §4) bring their stored fragments along.
+
+    The memories must stand together (one per line, as :class:`KVShiftMemory` renders them): they
+    are placed where the first one was. Markers that do not resolve, or memories scattered
+    through the text, are read as plain text. No marker is ever left in the content.
+    """
+    if resolve is None or "⟦" not in text:
+        return {"role": "user", "content": strip_markers(text)}
+    pieces = resolve(text)
+    positions = [i for i, piece in enumerate(pieces) if not isinstance(piece, str)]
+    between = pieces[positions[0] : positions[-1] + 1] if positions else []
+    if not positions or any(isinstance(p, str) and p.strip() for p in between):
+        return {"role": "user", "content": "".join(p if isinstance(p, str) else p.text for p in pieces)}
+    before = "".join(pieces[: positions[0]])
+    after = "".join(pieces[positions[-1] + 1 :])
+    after = after[1:] if after.startswith("\n") else after  # each placed memory ends its own line
+    records = [pieces[i] for i in positions]
+    return {"role": "user", "content": before + after, "memories": records, "memories_at": len(before)}
+
+
+def to_engine_messages(
+    messages: Sequence[BaseMessage], resolve: Callable[[str], list[Any]] | None = None
+) -> list[dict[str, Any]]:
     """LangChain messages as the engine's ``{"role", "content"}`` dicts.
 
     System messages are joined into one leading system message (the engine's chat template has
     one place for it), in order; human, AI and chat messages with those roles keep their order.
+    With ``resolve`` (text -> plain pieces and memory records), a human message's marked memories
+    are passed as memories; every other marker is removed.
 
     :raises InvalidInputError: a tool or function message, an unknown role, a non-text block.
     """
     system: list[str] = []
-    turns: list[dict[str, str]] = []
+    turns: list[dict[str, Any]] = []
     for index, message in enumerate(messages):
         role = message.role if isinstance(message, ChatMessage) else message.type
         if role not in _ROLES:
             raise InvalidInputError(f"messages[{index}] is a {role!r} message; ChatKVShift has no tool calling")
         text = _text(message, index)
         if _ROLES[role] == "system":
-            system.append(text)
+            system.append(strip_markers(text))
+        elif _ROLES[role] == "user":
+            turns.append(_with_memories(text, resolve))
         else:
-            turns.append({"role": _ROLES[role], "content": text})
+            turns.append({"role": "assistant", "content": strip_markers(text)})
     return ([{"role": "system", "content": "\n\n".join(system)}] if system else []) + turns
 
 
@@ -107,6 +135,9 @@ class ChatKVShift(BaseChatModel):
     :param temperature: 0 for greedy decoding.
     :param stop: strings that end a reply (not included).
     :param reuse: ``"none"``, ``"prefix"``, ``"blend"`` or ``None`` (the engine's choice).
+    :param store: with ``user_id`` (and ``session_id``), memory markers in human messages that
+        name this user's memories resolve to them and bring their stored K/V (DESIGN §4); without
+        a store every marker is plain text. Markers are never shown to the model.
     """
 
     model_config = ConfigDict(arbitrary_types_allowed=True, populate_by_name=True)
@@ -121,6 +152,9 @@ class ChatKVShift(BaseChatModel):
     reuse: str | None = None
     recompute_ratio: float | None = None
     streaming: bool = False
+    store: MemoryStore | None = Field(default=None, exclude=True)
+    user_id: str | None = None
+    session_id: str | None = None
 
     @property
     def _llm_type(self) -> str:
@@ -143,6 +177,11 @@ class ChatKVShift(BaseChatModel):
             ls_max_tokens=kwargs.get("max_tokens", self.max_tokens),
             ls_stop=stop or self.stop,
         )
+
+    def _resolver(self) -> Callable[[str], list[Any]] | None:
+        if self.store is None or self.user_id is None:
+            return None
+        return lambda text: resolve_markers(text, self.store, tenant=self.user_id, session_id=self.session_id)
 
     def _engine(self) -> KVShiftEngine:
         return self.engine if self.engine is not None else shared_engine(self.model)
@@ -189,7 +228,7 @@ class ChatKVShift(BaseChatModel):
         **kwargs: Any,
     ) -> ChatResult:
         options = self._options(stop, kwargs)
-        result = self._engine().generate(to_engine_messages(messages), **options)
+        result = self._engine().generate(to_engine_messages(messages, self._resolver()), **options)
         return ChatResult(generations=[ChatGeneration(message=self._message(result))])
 
     def _stream(
@@ -200,7 +239,7 @@ class ChatKVShift(BaseChatModel):
         **kwargs: Any,
     ) -> Iterator[ChatGenerationChunk]:
         options = self._options(stop, kwargs)
-        pieces = self._engine().generate(to_engine_messages(messages), stream=True, **options)
+        pieces = self._engine().generate(to_engine_messages(messages, self._resolver()), stream=True, **options)
         finished = False
         try:
             for piece in pieces:

@@ -70,3 +70,24 @@ def test_call_options_are_checked_before_any_model_work():
     options = llm._options(["\n\n"], {"max_tokens": 5, "model": chat_models.BUNDLED_MODEL})
     assert options["max_new_tokens"] == 5 and options["stop"] == ["\n\n"]
     assert llm._get_ls_params(stop=["x"], max_tokens=5)["ls_max_tokens"] == 5
+
+
+
+class _Record:
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+
+def test_marked_memories_become_placed_memories_only_when_they_stand_together():
+    budget, sister = _Record("The budget is 50k."), _Record("Ana lives in Porto.")
+    marked = "Conversation:\nHuman: hi\n⟦mem:a@1⟧The budget is 50k.⟦/mem⟧\n⟦mem:b@1⟧Ana lives in Porto.⟦/mem⟧\nHuman: and?"
+    together = lambda text: ["Conversation:\nHuman: hi\n", budget, "\n", sister, "\nHuman: and?"]  # noqa: E731
+    message = chat_models.to_engine_messages([HumanMessage(marked)], together)[0]
+    assert message["memories"] == [budget, sister]
+    assert message["content"] == "Conversation:\nHuman: hi\nHuman: and?"
+    assert message["memories_at"] == len("Conversation:\nHuman: hi\n")
+    scattered = lambda text: ["A ", budget, " then words ", sister, "."]  # noqa: E731
+    plain = chat_models.to_engine_messages([HumanMessage(marked)], scattered)[0]
+    assert plain == {"role": "user", "content": "A The budget is 50k. then words Ana lives in Porto.."}
+    unresolved = chat_models.to_engine_messages([SystemMessage(marked), HumanMessage(marked), AIMessage(marked)])
+    assert all("⟦" not in m["content"] and "memories" not in m for m in unresolved)

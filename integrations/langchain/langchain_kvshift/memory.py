@@ -1,0 +1,109 @@
+"""``KVShiftMemory``: memory for langchain-classic chains (``ConversationChain``) that brings K/V along.
+
+A chain renders its memory into prompt text and sends one flat message. This memory renders the
+conversation so far, then the user's stored memories that the new input recalls, each wrapped in
+a span marker (DESIGN §4); :class:`~langchain_kvshift.ChatKVShift` built with the same store and
+user resolves the markers and places the memories' stored fragments instead of reading their text
+again. The conversation comes first so that it stays the prompt's unchanging prefix, which the
+engine reuses exactly from one turn to the next; the recalled memories, which change with every
+input, come last, next to the question.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from langchain_classic.base_memory import BaseMemory
+from pydantic import ConfigDict, Field, PrivateAttr
+
+from kvshift_memory import InvalidInputError, MemoryStore
+from kvshift_memory.agent.writeback import WriteBackModel
+from kvshift_memory.markers import render_marker
+from kvshift_memory.store.memory_store import MAX_SEARCH_K
+
+__all__ = ["KVShiftMemory"]
+
+
+class KVShiftMemory(BaseMemory):
+    """The conversation of one session, plus the memories its input recalls from the user's store.
+
+    :param store: the user's :class:`~kvshift_memory.MemoryStore` (give the same one to ChatKVShift).
+    :param user_id: the tenant: recall and markers never cross it.
+    :param session_id: this conversation; archived turns are stored under it, recall reaches all
+        of the user's sessions.
+    :param recall_k: memories recalled per input, most relevant last; ``recall_min_score`` is the
+        least similarity a recalled memory needs.
+    :param write_back: archive the human's turns the bundled write-back rule finds worth keeping
+        (``kvshift_memory.agent.writeback``), so that later sessions recall them.
+    """
+
+    model_config = ConfigDict(arbitrary_types_allowed=True)
+
+    store: MemoryStore = Field(exclude=True)
+    user_id: str
+    session_id: str
+    memory_key: str = "history"
+    input_key: str | None = None
+    human_prefix: str = "Human"
+    ai_prefix: str = "AI"
+    memories_header: str = "What you remember about the user:"
+    recall_k: int = 4
+    recall_min_score: float = 0.3
+    write_back: bool = True
+    _turns: list[tuple[str, str]] = PrivateAttr(default_factory=list)
+    _shown: set[str] = PrivateAttr(default_factory=set)  # memories archived from turns still shown
+    _rule: WriteBackModel = PrivateAttr(default_factory=WriteBackModel.bundled)
+
+    @property
+    def memory_variables(self) -> list[str]:
+        return [self.memory_key]
+
+    def _input(self, inputs: dict[str, Any]) -> str:
+        if self.input_key is not None:
+            value = inputs.get(self.input_key)
+        else:
+            others = [value for key, value in inputs.items() if key != self.memory_key and key != "stop"]
+            value = others[0] if len(others) == 1 else None
+        if not isinstance(value, str):
+            raise InvalidInputError(f"KVShiftMemory needs one text input (set input_key); got keys {sorted(inputs)}")
+        return value
+
+    def load_memory_variables(self, inputs: dict[str, Any]) -> dict[str, str]:
+        """The conversation so far, then the recalled memories in markers.
+
+        :raises InvalidInputError: no single text input; ``StoreError``: the store cannot be searched.
+        """
+        query = self._input(inputs)
+        lines = [f"{self.human_prefix}: {human}\n{self.ai_prefix}: {ai}" for human, ai in self._turns]
+        recalled = []
+        if query.strip():
+            # the turns archived this session are shown already: ask for enough to skip them
+            wanted = min(self.recall_k + len(self._shown), MAX_SEARCH_K)
+            hits = self.store.search(query, tenant=self.user_id, k=wanted)
+            recalled = [h for h in hits if h.score >= self.recall_min_score and h.id not in self._shown]
+        if recalled:
+            marked = "\n".join(render_marker(record) for record in recalled[: self.recall_k][::-1])
+            lines.append(f"{self.memories_header}\n{marked}")
+        return {self.memory_key: "\n".join(lines)}
+
+    def save_context(self, inputs: dict[str, Any], outputs: dict[str, str]) -> None:
+        """Add the turn to the conversation and archive the human's message when it is worth it.
+
+        :raises InvalidInputError: no single text input or output; ``StoreError``: the store cannot be written.
+        """
+        human = self._input(inputs)
+        texts = [value for value in outputs.values() if isinstance(value, str)]
+        if len(texts) != 1:
+            raise InvalidInputError(f"KVShiftMemory needs one text output; got keys {sorted(outputs)}")
+        previous = self._turns[-1][1] if self._turns else ""
+        self._turns.append((human, texts[0]))
+        if self.write_back and human.strip():
+            importance = self._rule.importance(human, previous)
+            if self._rule.decide(importance) == "archive":
+                record = self.store.add(human, tenant=self.user_id, session_id=self.session_id, importance_score=importance)
+                self._shown.add(record.id)
+
+    def clear(self) -> None:
+        """Forget the conversation (the store keeps what was archived)."""
+        self._turns.clear()
+        self._shown.clear()
