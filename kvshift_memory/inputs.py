@@ -63,8 +63,9 @@ def check_messages(messages: Any) -> list[dict[str, Any]]:
     """Accept a string (one user message) or a non-empty list of ``{"role", "content"}`` dicts.
 
     A user message may also carry ``"memories"`` (texts or records, placed inside that message,
-    before its content, or at the character offset ``"memories_at"`` of it, without a header: a
-    framework's flat prompt that had them there); an assistant message may carry ``"token_ids"``, the ids it was generated
+    before its content, or, without a header, at ``"memories_at"``: a character offset of the
+    content, or one ascending offset per memory, where a framework's flat prompt had them); an
+    assistant message may carry ``"token_ids"``, the ids it was generated
     as (used when they decode to its content, so that a reply is read back as the very tokens
     whose K/V are cached).
 
@@ -97,11 +98,7 @@ def check_messages(messages: Any) -> list[dict[str, Any]]:
             entry["memories"] = list(message["memories"])
             at = message.get("memories_at")
             if at is not None:
-                if isinstance(at, bool) or not isinstance(at, int) or not 0 <= at <= len(content):
-                    raise InvalidInputError(
-                        f"messages[{index}]['memories_at'] must be a character offset into its content (0..{len(content)}), got {at!r}"
-                    )
-                entry["memories_at"] = at
+                entry["memories_at"] = _check_offsets(at, len(entry["memories"]), len(content), f"messages[{index}]['memories_at']")
         if message.get("token_ids") is not None:
             entry["token_ids"] = _check_token_ids(message["token_ids"], f"messages[{index}]['token_ids']")
         checked.append(entry)
@@ -113,6 +110,21 @@ _MESSAGE_KEYS = {
     "user": {"role", "content", "memories", "memories_at"},
     "assistant": {"role", "content", "token_ids"},
 }
+
+
+def _check_offsets(at: Any, count: int, length: int, what: str) -> list[int]:
+    """One character offset per memory, ascending, from one offset for all or a list."""
+    offsets = [at] * count if isinstance(at, int) and not isinstance(at, bool) else at
+    if (
+        not isinstance(offsets, (list, tuple))
+        or len(offsets) != count
+        or not all(isinstance(o, int) and not isinstance(o, bool) and 0 <= o <= length for o in offsets)
+        or any(a > b for a, b in zip(offsets, offsets[1:]))
+    ):
+        raise InvalidInputError(
+            f"{what} must be a character offset into the content (0..{length}), or one ascending offset per memory; got {at!r}"
+        )
+    return list(offsets)
 
 
 def _check_token_ids(ids: Any, what: str) -> list[int]:

@@ -12,7 +12,7 @@ import transformers
 from conftest import TINY_CONFIGS, VOCAB, tiny_model
 
 from kvshift_memory import GenerationResult, GenerationStream, KVShiftEngine, ScoreResult
-from kvshift_memory.engine.prompt import TokenMemo
+from kvshift_memory.engine.prompt import TokenMemo, common_prefix
 from kvshift_memory.exceptions import InvalidInputError
 
 MEMORIES = [
@@ -274,9 +274,22 @@ def test_memories_at_an_offset_sit_there_and_are_placed_as_fragments(tiny_engine
     assert stats.fragments_hit + stats.fragments_missed == 2
 
 
-@pytest.mark.parametrize("at", [-1, 10_000, True, "3", 2.0])
+def test_memories_at_their_own_offsets_are_tokenised_as_they_were_placed(tiny_engine, tokenizer):
+    content = "Turn 1:\nHuman: hi\nAI: hello\nTurn 2:\nHuman: where is the meeting?\nAI:"
+    first, second = content.index("Human: hi"), content.index("Human: where")
+    message = {"role": "user", "content": content, "memories": MEMORIES[:3], "memories_at": [first, second, second]}
+    layout, *_ = tiny_engine._plan([message], None, "blend", None, 1)
+    assert [tokenizer.decode(layout.token_ids[s.start : s.end]) for s in layout.fragments] == [m + "\n" for m in MEMORIES[:3]]
+    assert layout.fragments[1].start > layout.fragments[0].end  # text between the groups
+    # the earlier prompt, with only the first group, is an exact token prefix of this one
+    shorter = {"role": "user", "content": content[:second], "memories": MEMORIES[:1], "memories_at": [first]}
+    earlier, *_ = tiny_engine._plan([shorter], None, "blend", None, 1)
+    assert common_prefix(layout.token_ids, earlier.token_ids) >= layout.fragments[1].start
+
+
+@pytest.mark.parametrize("at", [-1, 10_000, True, "3", 2.0, [0], [3, 1], [0, 99]])
 def test_a_bad_memories_offset_is_refused(tiny_engine, at):
-    message = {"role": "user", "content": "Where is it?", "memories": MEMORIES[:1], "memories_at": at}
+    message = {"role": "user", "content": "Where is it?", "memories": MEMORIES[:2], "memories_at": at}
     with pytest.raises(InvalidInputError, match="memories_at"):
         tiny_engine.generate([message], max_new_tokens=1)
 

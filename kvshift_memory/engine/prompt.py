@@ -15,8 +15,8 @@ its content, introduced by the same header::
 
     <memory header>\\n<memory 1>\\n...\\n\\n<content>
 
-or, with ``"memories_at"``, at that offset of its content, without a header (a framework's flat
-prompt, whose own text introduces them).
+or, with ``"memories_at"``, at that offset of its content (or each at its own offset), without a
+header: a framework's flat prompt, whose own text introduces them.
 
 Either way a memory's fragment is encoded after the same *conditioning*: the system message up to
 where its memories would start, so one fragment serves both places.
@@ -169,12 +169,16 @@ def build_layout(
         content = message["content"]
         if message.get("memories"):
             memory_texts.extend(message["memories"])
-            placed = "".join(sentinel(f"{text}\n", True) for text in message["memories"])
-            at = message.get("memories_at")
-            if at is None:
+            offsets = message.get("memories_at")
+            if offsets is None:
+                placed = "".join(sentinel(f"{text}\n", True) for text in message["memories"])
                 content = sentinel(f"{memory_header}\n") + placed + sentinel(f"\n{content}")
             else:  # where the caller's text had them, introduced by the caller's own words
-                content = sentinel(content[:at]) + placed + sentinel(content[at:])
+                pieces, done = [], 0
+                for text, at in zip(message["memories"], offsets):
+                    pieces += [sentinel(content[done:at]), sentinel(f"{text}\n", True)]
+                    done = at
+                content = "".join(pieces) + sentinel(content[done:])
         else:
             ids = message.get("token_ids")
             if ids is not None and tokens.tokenizer.decode(ids) != content:

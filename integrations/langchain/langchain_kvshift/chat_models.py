@@ -77,22 +77,22 @@ def _text(message: BaseMessage, index: int) -> str:
 def _with_memories(text: str, resolve: Callable[[str], list[Any]] | None) -> dict[str, Any]:
     """A user message whose marked memories (DESIGN §4) bring their stored fragments along.
 
-    The memories must stand together (one per line, as :class:`KVShiftMemory` renders them): they
-    are placed where the first one was. Markers that do not resolve, or memories scattered
-    through the text, are read as plain text. No marker is ever left in the content.
+    Each resolved memory stays where its marker stood (a memory's fragment ends its line, so the
+    newline after the marker goes); markers that do not resolve are read as plain text. No
+    marker is ever left in the content.
     """
     if resolve is None or "⟦" not in text:
         return {"role": "user", "content": strip_markers(text)}
-    pieces = resolve(text)
-    positions = [i for i, piece in enumerate(pieces) if not isinstance(piece, str)]
-    between = pieces[positions[0] : positions[-1] + 1] if positions else []
-    if not positions or any(isinstance(p, str) and p.strip() for p in between):
-        return {"role": "user", "content": "".join(p if isinstance(p, str) else p.text for p in pieces)}
-    before = "".join(pieces[: positions[0]])
-    after = "".join(pieces[positions[-1] + 1 :])
-    after = after[1:] if after.startswith("\n") else after  # each placed memory ends its own line
-    records = [pieces[i] for i in positions]
-    return {"role": "user", "content": before + after, "memories": records, "memories_at": len(before)}
+    content, records, offsets = "", [], []
+    for piece in resolve(text):
+        if isinstance(piece, str):
+            content += piece[1:] if records and offsets[-1] == len(content) and piece.startswith("\n") else piece
+        else:
+            records.append(piece)
+            offsets.append(len(content))
+    if not records:
+        return {"role": "user", "content": content}
+    return {"role": "user", "content": content, "memories": records, "memories_at": offsets}
 
 
 def to_engine_messages(
@@ -135,6 +135,8 @@ class ChatKVShift(BaseChatModel):
     :param temperature: 0 for greedy decoding.
     :param stop: strings that end a reply (not included).
     :param reuse: ``"none"``, ``"prefix"``, ``"blend"`` or ``None`` (the engine's choice).
+    :param recompute_ratio: the blend's share of memory tokens recomputed; 0 (shift only) as the
+        agent does, ``None`` for the engine's default.
     :param store: with ``user_id`` (and ``session_id``), memory markers in human messages that
         name this user's memories resolve to them and bring their stored K/V (DESIGN §4); without
         a store every marker is plain text. Markers are never shown to the model.
@@ -150,7 +152,9 @@ class ChatKVShift(BaseChatModel):
     seed: int | None = None
     stop: list[str] | None = None
     reuse: str | None = None
-    recompute_ratio: float | None = None
+    # shift only, as AgentMemory recalls (AgentSettings.recompute_ratio): measured on LoCoMo, the
+    # blend's repair pass costs a chat turn most of its speed-up and no accuracy (README)
+    recompute_ratio: float | None = 0.0
     streaming: bool = False
     store: MemoryStore | None = Field(default=None, exclude=True)
     user_id: str | None = None

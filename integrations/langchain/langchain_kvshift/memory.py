@@ -1,12 +1,12 @@
 """``KVShiftMemory``: memory for langchain-classic chains (``ConversationChain``) that brings K/V along.
 
 A chain renders its memory into prompt text and sends one flat message. This memory renders the
-conversation so far, then the user's stored memories that the new input recalls, each wrapped in
-a span marker (DESIGN §4); :class:`~langchain_kvshift.ChatKVShift` built with the same store and
-user resolves the markers and places the memories' stored fragments instead of reading their text
-again. The conversation comes first so that it stays the prompt's unchanging prefix, which the
-engine reuses exactly from one turn to the next; the recalled memories, which change with every
-input, come last, next to the question.
+conversation so far, each turn after the memories recalled for it, then the memories the new
+input recalls, each wrapped in a span marker (DESIGN §4); :class:`~langchain_kvshift.ChatKVShift`
+built with the same store and user resolves the markers and places the memories' stored fragments
+instead of reading their text again. A turn's memories stay with that turn, so every prompt
+starts with the previous one (up to its reply), which the engine reuses exactly; only the
+previous reply, the newly recalled memories (placed) and the new input are new.
 """
 
 from __future__ import annotations
@@ -50,8 +50,10 @@ class KVShiftMemory(BaseMemory):
     recall_k: int = 4
     recall_min_score: float = 0.3
     write_back: bool = True
-    _turns: list[tuple[str, str]] = PrivateAttr(default_factory=list)
-    _shown: set[str] = PrivateAttr(default_factory=set)  # memories archived from turns still shown
+    _turns: list[tuple[str, str, str]] = PrivateAttr(default_factory=list)  # (recalled, human, ai)
+    _recalled: str = PrivateAttr(default="")  # the block the last input recalled, for its turn
+    _recalled_ids: list[str] = PrivateAttr(default_factory=list)
+    _shown: set[str] = PrivateAttr(default_factory=set)  # memories the conversation shows already
     _rule: WriteBackModel = PrivateAttr(default_factory=WriteBackModel.bundled)
 
     @property
@@ -69,21 +71,26 @@ class KVShiftMemory(BaseMemory):
         return value
 
     def load_memory_variables(self, inputs: dict[str, Any]) -> dict[str, str]:
-        """The conversation so far, then the recalled memories in markers.
+        """The conversation so far, then the memories the input recalls, in markers.
 
         :raises InvalidInputError: no single text input; ``StoreError``: the store cannot be searched.
         """
         query = self._input(inputs)
-        lines = [f"{self.human_prefix}: {human}\n{self.ai_prefix}: {ai}" for human, ai in self._turns]
-        recalled = []
+        lines = []
+        for recalled, human, ai in self._turns:
+            lines += [recalled] if recalled else []
+            lines += [f"{self.human_prefix}: {human}", f"{self.ai_prefix}: {ai}"]
+        self._recalled, self._recalled_ids = "", []
         if query.strip():
-            # the turns archived this session are shown already: ask for enough to skip them
+            # memories the conversation shows already are skipped: ask for enough to find new ones
             wanted = min(self.recall_k + len(self._shown), MAX_SEARCH_K)
             hits = self.store.search(query, tenant=self.user_id, k=wanted)
-            recalled = [h for h in hits if h.score >= self.recall_min_score and h.id not in self._shown]
-        if recalled:
-            marked = "\n".join(render_marker(record) for record in recalled[: self.recall_k][::-1])
-            lines.append(f"{self.memories_header}\n{marked}")
+            recalled = [h for h in hits if h.score >= self.recall_min_score and h.id not in self._shown][: self.recall_k]
+            if recalled:
+                marked = "\n".join(render_marker(record) for record in recalled[::-1])  # most relevant last
+                self._recalled = f"{self.memories_header}\n{marked}"
+                self._recalled_ids = [record.id for record in recalled]
+                lines.append(self._recalled)
         return {self.memory_key: "\n".join(lines)}
 
     def save_context(self, inputs: dict[str, Any], outputs: dict[str, str]) -> None:
@@ -95,8 +102,10 @@ class KVShiftMemory(BaseMemory):
         texts = [value for value in outputs.values() if isinstance(value, str)]
         if len(texts) != 1:
             raise InvalidInputError(f"KVShiftMemory needs one text output; got keys {sorted(outputs)}")
-        previous = self._turns[-1][1] if self._turns else ""
-        self._turns.append((human, texts[0]))
+        previous = self._turns[-1][2] if self._turns else ""
+        self._turns.append((self._recalled, human, texts[0]))
+        self._shown.update(self._recalled_ids)
+        self._recalled, self._recalled_ids = "", []
         if self.write_back and human.strip():
             importance = self._rule.importance(human, previous)
             if self._rule.decide(importance) == "archive":
@@ -107,3 +116,4 @@ class KVShiftMemory(BaseMemory):
         """Forget the conversation (the store keeps what was archived)."""
         self._turns.clear()
         self._shown.clear()
+        self._recalled, self._recalled_ids = "", []

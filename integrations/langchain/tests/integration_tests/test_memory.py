@@ -70,15 +70,17 @@ def _spy_prompts(monkeypatch, llm: ChatKVShift) -> list:
     return seen
 
 
-def test_a_conversation_chain_reads_its_prompt_from_the_cache_more_each_turn(store, monkeypatch):
+def test_a_conversation_chain_reads_most_of_each_prompt_from_the_cache(store, monkeypatch):
     usage = _Usage()
     chain, llm = _chain(store, callbacks=[usage])
     prompts = _spy_prompts(monkeypatch, llm)
     for question in QUESTIONS:
         chain.invoke({"input": question})
     shares = [u["input_token_details"]["cache_read"] / u["input_tokens"] for u in usage.seen]
-    assert all(share > 0.4 for share in shares[1:]), shares  # turn 1 may find the system prompt cached
-    assert shares[-1] > shares[1]  # the conversation is the unchanging prefix; it grows
+    print("share of each prompt read from the cache:", " ".join(f"{share:.0%}" for share in shares))  # -s shows it
+    # each prompt starts with the previous one up to its reply: only that reply (20 tokens here),
+    # the newly recalled memories' repair and the new input are computed
+    assert all(share >= 0.8 for share in shares[1:]), shares  # turn 1 may find the system prompt cached
     placed = [m for messages, _ in prompts for m in messages if m.get("memories")]
     assert placed and all(r.tenant == "alice" for m in placed for r in m["memories"])  # recalled facts brought their KV
     assert not any("⟦" in text or "mem:" in text for _, text in prompts)  # no marker reaches the model

@@ -78,16 +78,17 @@ class _Record:
         self.text = text
 
 
-def test_marked_memories_become_placed_memories_only_when_they_stand_together():
+def test_marked_memories_become_memories_where_their_markers_stood():
     budget, sister = _Record("The budget is 50k."), _Record("Ana lives in Porto.")
-    marked = "Conversation:\nHuman: hi\n⟦mem:a@1⟧The budget is 50k.⟦/mem⟧\n⟦mem:b@1⟧Ana lives in Porto.⟦/mem⟧\nHuman: and?"
-    together = lambda text: ["Conversation:\nHuman: hi\n", budget, "\n", sister, "\nHuman: and?"]  # noqa: E731
-    message = chat_models.to_engine_messages([HumanMessage(marked)], together)[0]
+    marked = "Human: hi\n⟦mem:a@1⟧The budget is 50k.⟦/mem⟧\nAI: hello\n⟦mem:b@1⟧Ana lives in Porto.⟦/mem⟧\nHuman: and?"
+    resolved = lambda text: ["Human: hi\n", budget, "\nAI: hello\n", sister, "\nHuman: and?"]  # noqa: E731
+    message = chat_models.to_engine_messages([HumanMessage(marked)], resolved)[0]
     assert message["memories"] == [budget, sister]
-    assert message["content"] == "Conversation:\nHuman: hi\nHuman: and?"
-    assert message["memories_at"] == len("Conversation:\nHuman: hi\n")
-    scattered = lambda text: ["A ", budget, " then words ", sister, "."]  # noqa: E731
-    plain = chat_models.to_engine_messages([HumanMessage(marked)], scattered)[0]
-    assert plain == {"role": "user", "content": "A The budget is 50k. then words Ana lives in Porto.."}
+    assert message["content"] == "Human: hi\nAI: hello\nHuman: and?"
+    assert message["memories_at"] == [len("Human: hi\n"), len("Human: hi\nAI: hello\n")]
+    nothing = lambda text: ["Human: hi\nThe budget is 50k.\nHuman: and?"]  # noqa: E731
+    assert chat_models.to_engine_messages([HumanMessage(marked)], nothing)[0] == {
+        "role": "user", "content": "Human: hi\nThe budget is 50k.\nHuman: and?"
+    }
     unresolved = chat_models.to_engine_messages([SystemMessage(marked), HumanMessage(marked), AIMessage(marked)])
     assert all("⟦" not in m["content"] and "memories" not in m for m in unresolved)
