@@ -1,0 +1,73 @@
+"""KVShiftMiddleware in a LangChain 1.x agent on the bundled model: recall before, write-back after."""
+
+from __future__ import annotations
+
+import asyncio
+import warnings
+
+import pytest
+from langchain.agents import create_agent
+from langchain_core.messages import HumanMessage
+
+from kvshift_memory import MemoryStore
+from kvshift_memory.agent.writeback import WriteBackModel
+from langchain_kvshift import ChatKVShift, KVShiftMiddleware
+from langchain_kvshift.middleware import ORIGINAL
+
+warnings.filterwarnings("ignore", category=DeprecationWarning)
+
+FACTS = ["The budget for the Lisbon trip is 50k euros.", "Ana, my sister, lives in Porto and works as a nurse."]
+NEWS = "I just moved to Rua Augusta 12 in Lisbon, and my new phone number is 555 0199, please remember it."
+
+
+@pytest.fixture
+def store(tmp_path):
+    with MemoryStore(tmp_path / "store") as store:
+        for fact in FACTS:
+            store.add(fact, tenant="alice", session_id="earlier")
+        store.add("Bob's door code is 4512.", tenant="bob")
+        yield store
+
+
+def _agent(store):
+    llm = ChatKVShift(store=store, user_id="alice", max_tokens=20)
+    placed = []
+    engine = llm._engine()
+    original = engine.generate
+
+    def generate(messages, *args, **kwargs):
+        placed.extend(r for m in messages for r in m.get("memories", ()))
+        return original(messages, *args, **kwargs)
+
+    engine.generate = generate
+    return create_agent(model=llm, tools=[], middleware=[KVShiftMiddleware(store, "alice", "today")]), placed, engine, original
+
+
+def test_recalled_memories_are_placed_and_the_next_turn_reuses_the_first(store):
+    agent, placed, engine, original = _agent(store)
+    try:
+        state = agent.invoke({"messages": [HumanMessage("What is the budget for the Lisbon trip?")]})
+        marked = state["messages"][0]
+        assert marked.additional_kwargs[ORIGINAL] == "What is the budget for the Lisbon trip?"
+        assert "⟦mem:" in marked.content and len(state["messages"]) == 2  # replaced in place, not added
+        assert {r.text for r in placed} <= set(FACTS) and placed and all(r.tenant == "alice" for r in placed)
+        state = agent.invoke({"messages": [*state["messages"], HumanMessage("Where does my sister live?")]})
+        usage = state["messages"][-1].usage_metadata
+        assert usage["input_token_details"]["cache_read"] >= 0.7 * usage["input_tokens"], usage
+        shown = [m for m in state["messages"] if isinstance(m, HumanMessage)]
+        assert sum(m.content.count("Porto") for m in shown) == 1  # a memory the conversation shows is not recalled twice
+    finally:
+        engine.generate = original
+
+
+def test_the_human_message_is_written_back_when_the_rule_archives_it(store):
+    agent, _, engine, original = _agent(store)
+    rule = WriteBackModel.bundled()
+    try:
+        asyncio.run(agent.ainvoke({"messages": [HumanMessage(NEWS)]}))
+    finally:
+        engine.generate = original
+    assert rule.decide(rule.importance(NEWS, "")) == "archive"  # a message the rule keeps
+    stored = [r.text for r in store.search("new phone number and address", tenant="alice", k=5)]
+    assert NEWS in stored and not any("4512" in text for text in stored)
+    assert [r.session_id for r in store.search(NEWS, tenant="alice", k=1)] == ["today"]
