@@ -294,6 +294,11 @@ def test_a_bad_memories_offset_is_refused(tiny_engine, at):
         tiny_engine.generate([message], max_new_tokens=1)
 
 
+@pytest.mark.model
+def test_the_shared_engine_is_loaded_once_per_model():
+    assert KVShiftEngine.shared() is KVShiftEngine.shared(None)
+
+
 def test_warm_encodes_once(tiny_engine):
     tiny_engine.clear_cache()
     assert tiny_engine.warm(MEMORIES, "q") == len(MEMORIES)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import threading
 import time
 import weakref
 from importlib import resources
@@ -99,6 +100,10 @@ class EngineSettings:
         for name in ("keep_freed_memory", "pack_weights"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidInputError(f"{name} must be True or False, not {getattr(self, name)!r}")
+
+
+_SHARED: dict[str, KVShiftEngine] = {}
+_SHARED_LOCK = threading.Lock()
 
 
 @dataclass(eq=False)
@@ -228,6 +233,21 @@ class KVShiftEngine:
         """
         loaded = load_model(name_or_path, resolve_dtype(dtype))
         return cls(loaded.model, loaded.tokenizer, fingerprint=loaded.fingerprint, settings=settings, **overrides)
+
+    @classmethod
+    def shared(cls, name_or_path: str | os.PathLike | None = None) -> KVShiftEngine:
+        """The process's engine for a model (default settings), loaded by the first call.
+
+        Framework adapters build many model objects; they must share one engine per model, which
+        holds the weights and the K/V worth reusing.
+
+        :raises ModelNotFoundError: ``ModelLoadError``: as :meth:`from_pretrained`.
+        """
+        key = str(name_or_path) if name_or_path is not None else ""
+        with _SHARED_LOCK:
+            if key not in _SHARED:
+                _SHARED[key] = cls.from_pretrained(name_or_path)
+            return _SHARED[key]
 
     # ------------------------------------------------------------------ public API
 

@@ -10,7 +10,6 @@ reused is reported the way LangChain reports provider-side prompt caching:
 from __future__ import annotations
 
 import dataclasses
-import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -33,27 +32,10 @@ __all__ = ["ChatKVShift"]
 
 BUNDLED_MODEL = "SmolLM2-135M-Instruct"
 
-# One engine per model and process: the engine holds the weights and the K/V worth reusing, so
-# two ChatKVShift instances of the same model must not each load their own.
-_engines: dict[str, KVShiftEngine] = {}
-_engines_lock = threading.Lock()
-
 _ROLES = {"human": "user", "user": "user", "ai": "assistant", "assistant": "assistant", "system": "system"}
 # per-call keyword arguments a call may override, and the engine's names for them
 _CALL_OPTIONS = {"max_tokens": "max_new_tokens", "temperature": "temperature", "top_p": "top_p", "seed": "seed",
                  "reuse": "reuse", "recompute_ratio": "recompute_ratio"}
-
-
-def shared_engine(model: str | None) -> KVShiftEngine:
-    """The process's engine for ``model`` (``None``: the bundled model), loaded on first use.
-
-    :raises ModelNotFoundError: ``ModelLoadError``: the model cannot be found or loaded.
-    """
-    key = model or ""
-    with _engines_lock:
-        if key not in _engines:
-            _engines[key] = KVShiftEngine.from_pretrained(model)
-        return _engines[key]
 
 
 def _text(message: BaseMessage, index: int) -> str:
@@ -186,7 +168,7 @@ class ChatKVShift(BaseChatModel):
         return lambda text: resolve_markers(text, self.store, tenant=self.user_id, session_id=self.session_id)
 
     def _engine(self) -> KVShiftEngine:
-        return self.engine if self.engine is not None else shared_engine(self.model)
+        return self.engine if self.engine is not None else KVShiftEngine.shared(self.model)
 
     def _options(self, stop: list[str] | None, kwargs: dict[str, Any]) -> dict[str, Any]:
         model = kwargs.pop("model", None)

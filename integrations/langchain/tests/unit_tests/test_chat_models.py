@@ -6,6 +6,7 @@ import pytest
 from langchain_core.messages import AIMessage, HumanMessage, SystemMessage, ToolMessage
 from langchain_tests.unit_tests import ChatModelUnitTests
 
+import kvshift_memory.engine.engine as engine_module
 from kvshift_memory import InvalidInputError
 from langchain_kvshift import ChatKVShift
 from langchain_kvshift import chat_models
@@ -26,9 +27,9 @@ class TestChatKVShiftUnit(ChatModelUnitTests):
 
 
 def test_constructing_loads_no_engine():
-    before = dict(chat_models._engines)
+    before = dict(engine_module._SHARED)
     llm = ChatKVShift(max_tokens=8, stop=["\n"], reuse="prefix")
-    assert chat_models._engines == before and llm.engine is None
+    assert engine_module._SHARED == before and llm.engine is None
     assert llm.model_name == chat_models.BUNDLED_MODEL
 
 
