@@ -1,0 +1,74 @@
+"""KVShiftLLM on the bundled model: a LlamaIndex chat engine that reuses each turn, streaming, async."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from llama_index.core.chat_engine import SimpleChatEngine
+from llama_index.core.llms import ChatMessage
+from llama_index.core.memory import ChatMemoryBuffer
+
+from kvshift_memory import InvalidInputError
+from llama_index.llms.kvshift import KVShiftLLM
+
+QUESTIONS = [
+    "I am planning a team trip to Lisbon with a budget of 50k euros.",
+    "Which city are we going to?",
+    "What is the budget?",
+    "Suggest one thing to do there.",
+    "Thanks, that is all.",
+]
+
+
+def _engine_chat(llm: KVShiftLLM) -> tuple[SimpleChatEngine, list]:
+    """A chat engine (with a memory counting the model's own tokens: the default downloads
+    tiktoken's vocabulary) and the reuse stats of each of its calls."""
+    memory = ChatMemoryBuffer.from_defaults(token_limit=4000, tokenizer_fn=lambda text: [0] * llm.engine.count_tokens(text))
+    seen: list = []
+    original = llm.chat
+
+    def chat(messages, **kwargs):
+        response = original(messages, **kwargs)
+        seen.append(response.raw["reuse_stats"])
+        return response
+
+    object.__setattr__(llm, "chat", chat)
+    return SimpleChatEngine.from_defaults(llm=llm, memory=memory, system_prompt="You are a brief travel assistant."), seen
+
+
+def test_a_chat_engine_reads_each_turn_from_the_cache():
+    chat, seen = _engine_chat(KVShiftLLM(max_tokens=24))
+    for question in QUESTIONS:
+        assert chat.chat(question).response
+    for before, now in zip(seen, seen[1:]):  # the whole previous prompt, and its reply, read from the cache
+        assert now["reused_tokens"] >= before["prompt_tokens"] + before["generated_tokens"] - 1, (before, now)
+    shares = [stats["reused_tokens"] / stats["prompt_tokens"] for stats in seen]
+    print("share of each prompt read from the cache:", " ".join(f"{share:.0%}" for share in shares))  # -s shows it
+
+
+def test_exact_reuse_answers_as_full_recompute():
+    reusing, _ = _engine_chat(KVShiftLLM(max_tokens=24, reuse="prefix"))
+    recomputing, _ = _engine_chat(KVShiftLLM(max_tokens=24, reuse="none"))
+    for question in QUESTIONS[:3]:
+        assert reusing.chat(question).response == recomputing.chat(question).response
+
+
+def test_streaming_and_async_give_the_same_text():
+    llm = KVShiftLLM(max_tokens=16)
+    messages = [ChatMessage(role="user", content="Name a city in Portugal.")]
+    whole = llm.chat(messages).message.content
+    streamed = list(llm.stream_chat(messages))
+    assert "".join(r.delta for r in streamed) == whole and streamed[-1].raw["reuse_stats"]["generated_tokens"] > 0
+    assert asyncio.run(llm.achat(messages)).message.content == whole
+    assert asyncio.run(llm.acomplete("Name a city in Portugal.")).text == llm.complete("Name a city in Portugal.").text
+
+    async def collect() -> str:
+        return "".join([r.delta async for r in await llm.astream_chat(messages)])
+
+    assert asyncio.run(collect()) == whole
+
+
+def test_roles_the_engine_cannot_read_are_refused():
+    with pytest.raises(InvalidInputError, match="tool"):
+        KVShiftLLM().chat([ChatMessage(role="tool", content="42")])
