@@ -18,8 +18,8 @@ from pydantic import ConfigDict, Field, PrivateAttr
 
 from kvshift_memory import InvalidInputError, MemoryStore
 from kvshift_memory.agent.writeback import WriteBackModel
-from kvshift_memory.markers import render_marker
-from kvshift_memory.store.memory_store import MAX_SEARCH_K
+
+from langchain_kvshift._recall import recall_marked, write_back
 
 __all__ = ["KVShiftMemory"]
 
@@ -80,17 +80,17 @@ class KVShiftMemory(BaseMemory):
         for recalled, human, ai in self._turns:
             lines += [recalled] if recalled else []
             lines += [f"{self.human_prefix}: {human}", f"{self.ai_prefix}: {ai}"]
-        self._recalled, self._recalled_ids = "", []
-        if query.strip():
-            # memories the conversation shows already are skipped: ask for enough to find new ones
-            wanted = min(self.recall_k + len(self._shown), MAX_SEARCH_K)
-            hits = self.store.search(query, tenant=self.user_id, k=wanted)
-            recalled = [h for h in hits if h.score >= self.recall_min_score and h.id not in self._shown][: self.recall_k]
-            if recalled:
-                marked = "\n".join(render_marker(record) for record in recalled[::-1])  # most relevant last
-                self._recalled = f"{self.memories_header}\n{marked}"
-                self._recalled_ids = [record.id for record in recalled]
-                lines.append(self._recalled)
+        self._recalled, self._recalled_ids = recall_marked(
+            self.store,
+            query,
+            user_id=self.user_id,
+            shown=self._shown,
+            k=self.recall_k,
+            min_score=self.recall_min_score,
+            header=self.memories_header,
+        )
+        if self._recalled:
+            lines.append(self._recalled)
         return {self.memory_key: "\n".join(lines)}
 
     def save_context(self, inputs: dict[str, Any], outputs: dict[str, str]) -> None:
@@ -106,10 +106,9 @@ class KVShiftMemory(BaseMemory):
         self._turns.append((self._recalled, human, texts[0]))
         self._shown.update(self._recalled_ids)
         self._recalled, self._recalled_ids = "", []
-        if self.write_back and human.strip():
-            importance = self._rule.importance(human, previous)
-            if self._rule.decide(importance) == "archive":
-                record = self.store.add(human, tenant=self.user_id, session_id=self.session_id, importance_score=importance)
+        if self.write_back:
+            record = write_back(self._rule, self.store, human, previous, user_id=self.user_id, session_id=self.session_id)
+            if record is not None:
                 self._shown.add(record.id)
 
     def clear(self) -> None:

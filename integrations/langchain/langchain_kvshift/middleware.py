@@ -19,8 +19,8 @@ from langchain_core.messages import AIMessage, HumanMessage
 
 from kvshift_memory import MemoryStore
 from kvshift_memory.agent.writeback import WriteBackModel
-from kvshift_memory.markers import parse_markers, render_marker
-from kvshift_memory.store.memory_store import MAX_SEARCH_K
+from kvshift_memory.markers import parse_markers
+from langchain_kvshift._recall import recall_marked, write_back
 
 __all__ = ["KVShiftMiddleware"]
 
@@ -70,12 +70,18 @@ class KVShiftMiddleware(AgentMiddleware):
         if not isinstance(last, HumanMessage) or ORIGINAL in last.additional_kwargs or not last.text.strip():
             return None
         shown = {span.memory_id for m in messages for span in parse_markers(m.text) if span.memory_id is not None}
-        hits = self.store.search(last.text, tenant=self.user_id, k=min(self.recall_k + len(shown), MAX_SEARCH_K))
-        recalled = [h for h in hits if h.score >= self.recall_min_score and h.id not in shown][: self.recall_k]
-        if not recalled:
+        block, _ = recall_marked(
+            self.store,
+            last.text,
+            user_id=self.user_id,
+            shown=shown,
+            k=self.recall_k,
+            min_score=self.recall_min_score,
+            header=self.memories_header,
+        )
+        if not block:
             return None
-        marked = "\n".join(render_marker(record) for record in recalled[::-1])  # most relevant last
-        content = f"{self.memories_header}\n{marked}\n\n{last.text}"
+        content = f"{block}\n\n{last.text}"
         return {"messages": [HumanMessage(content=content, id=last.id, additional_kwargs={ORIGINAL: last.text})]}
 
     def after_model(self, state: dict[str, Any], runtime: Any) -> dict[str, Any] | None:
@@ -91,9 +97,7 @@ class KVShiftMiddleware(AgentMiddleware):
             return None
         text = human.additional_kwargs.get(ORIGINAL, human.text)
         previous = next((m.text for m in reversed(messages[: messages.index(human)]) if isinstance(m, AIMessage)), "")
-        importance = self._rule.importance(text, previous)
-        if text.strip() and self._rule.decide(importance) == "archive":
-            self.store.add(text, tenant=self.user_id, session_id=self.session_id, importance_score=importance)
+        write_back(self._rule, self.store, text, previous, user_id=self.user_id, session_id=self.session_id)
         return None
 
     async def abefore_model(self, state: dict[str, Any], runtime: Any) -> dict[str, Any] | None:
