@@ -14,13 +14,22 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import Any
 
 from . import inputs
 from .exceptions import InvalidInputError
 from .store.records import MemoryRecord, text_hash
 
-__all__ = ["MarkedSpan", "parse_markers", "render_marker", "resolve_markers", "strip_markers"]
+__all__ = [
+    "MarkedSpan",
+    "marked_user_message",
+    "parse_markers",
+    "render_marker",
+    "render_memories",
+    "resolve_markers",
+    "strip_markers",
+]
 
 _OPEN = re.compile(r"⟦mem:([^⟦⟧@\s]{1,256})@([1-9][0-9]{0,8})⟧")
 # anything marker-shaped, well-formed or not: none of it may reach the model
@@ -39,6 +48,13 @@ class MarkedSpan:
 def render_marker(record: MemoryRecord) -> str:
     """``record``'s text wrapped in its marker."""
     return f"⟦mem:{record.id}@{record.version}⟧{record.text}⟦/mem⟧"
+
+
+def render_memories(records: Sequence[MemoryRecord], header: str) -> str:
+    """``records`` under ``header``, one marked memory a line, in the order given; ``""`` for none."""
+    if not records:
+        return ""
+    return header + "\n" + "\n".join(render_marker(record) for record in records)
 
 
 def strip_markers(text: str) -> str:
@@ -103,3 +119,30 @@ def resolve_markers(text: str, store: Any, *, tenant: str, session_id: str | Non
         elif span.text:
             out.append(span.text)
     return out
+
+
+def marked_user_message(
+    text: str, store: Any = None, *, tenant: str | None = None, session_id: str | None = None
+) -> dict[str, Any]:
+    """A user message for :meth:`KVShiftEngine.generate` whose marked memories bring their K/V.
+
+    Each marker that resolves (:func:`resolve_markers`, in ``tenant`` and ``session_id``) becomes
+    a memory placed where the marker stood (``"memories"`` with ``"memories_at"``): the engine
+    shifts its stored fragment in instead of reading its text. A memory's fragment ends its line,
+    so the newline after its marker goes. Without a ``store`` and ``tenant``, or for markers that
+    do not resolve, the text is read as plain text. No marker is ever left in the content.
+
+    :raises InvalidInputError: ``text`` or ``tenant`` is not valid text.
+    """
+    if store is None or tenant is None or "⟦" not in text:
+        return {"role": "user", "content": strip_markers(text)}
+    content, records, offsets = "", [], []
+    for piece in resolve_markers(text, store, tenant=tenant, session_id=session_id):
+        if isinstance(piece, str):
+            content += piece[1:] if records and offsets[-1] == len(content) and piece.startswith("\n") else piece
+        else:
+            records.append(piece)
+            offsets.append(len(content))
+    if not records:
+        return {"role": "user", "content": content}
+    return {"role": "user", "content": content, "memories": records, "memories_at": offsets}

@@ -307,6 +307,21 @@ def test_warm_encodes_once(tiny_engine):
     assert result.stats.fragments_hit == len(MEMORIES)
 
 
+def test_fragments_encoded_after_a_fixed_system_message_serve_any_system_message(tiny_engine):
+    tiny_engine.clear_cache()
+    fixed = "You remember what the user told you."
+    assert tiny_engine.warm(MEMORIES, [{"role": "system", "content": fixed}, {"role": "user", "content": "?"}]) == len(MEMORIES)
+    for documents in ("Document: Lisbon has trams.", "Document: Porto has bridges."):  # a system message that changes
+        messages = [{"role": "system", "content": documents}, {"role": "user", "content": "q"}]
+        without = tiny_engine.generate(messages, MEMORIES, max_new_tokens=1)
+        assert without.stats.fragments_hit == 0  # by default fragments are encoded after this prompt's own
+        tiny_engine.clear_cache(fragments=False)
+        fixed_stats = tiny_engine.generate(messages, MEMORIES, max_new_tokens=1, fragments_after=fixed).stats
+        assert fixed_stats.fragments_hit == len(MEMORIES) and fixed_stats.fragments_missed == 0
+    with pytest.raises(InvalidInputError):
+        tiny_engine.generate("q", MEMORIES, fragments_after="  ")
+
+
 def test_generation_does_not_mutate_cached_fragments(tiny_engine):
     tiny_engine.clear_cache()
     tiny_engine.warm(MEMORIES, "q")

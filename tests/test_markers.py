@@ -5,7 +5,14 @@ from __future__ import annotations
 import pytest
 
 from kvshift_memory.exceptions import InvalidInputError
-from kvshift_memory.markers import parse_markers, render_marker, resolve_markers, strip_markers
+from kvshift_memory.markers import (
+    marked_user_message,
+    parse_markers,
+    render_marker,
+    render_memories,
+    resolve_markers,
+    strip_markers,
+)
 
 
 def test_well_formed_markers_split_the_text():
@@ -50,25 +57,25 @@ def test_marker_text_is_checked():
     assert parse_markers(long_text)[-1].memory_id == "abc"
 
 
-class _OneMemoryStore:
+class _RecordsStore:
     """What resolve_markers asks of a store: get(id, tenant=...) of the caller's own namespace."""
 
-    def __init__(self, record):
-        self.record = record
+    def __init__(self, *records):
+        self.records = {(r.id, r.tenant): r for r in records}
 
     def get(self, memory_id, *, tenant):
-        return self.record if (memory_id, tenant) == (self.record.id, self.record.tenant) else None
+        return self.records.get((memory_id, tenant))
 
 
-def _record(text="The budget is 50k.", tenant="alice"):
+def _record(text="The budget is 50k.", tenant="alice", memory_id="m1"):
     from kvshift_memory.store.records import MemoryRecord, text_hash
 
-    return MemoryRecord("m1", 2, text, tenant, "s1", 0.0, text_hash(text))
+    return MemoryRecord(memory_id, 2, text, tenant, "s1", 0.0, text_hash(text))
 
 
 def test_resolution_needs_tenant_session_version_and_hash():
     record = _record()
-    store = _OneMemoryStore(record)
+    store = _RecordsStore(record)
     marker = render_marker(record)
     assert resolve_markers(f"A {marker} B", store, tenant="alice") == ["A ", record, " B"]
     assert resolve_markers(marker, store, tenant="alice", session_id="s1") == [record]
@@ -78,3 +85,19 @@ def test_resolution_needs_tenant_session_version_and_hash():
     assert resolve_markers("⟦mem:m1@2⟧The budget is 90k.⟦/mem⟧", store, tenant="alice") == ["The budget is 90k."]
     with pytest.raises(InvalidInputError):
         resolve_markers(marker, store, tenant="")
+
+
+def test_marked_memories_become_memories_where_their_markers_stood():
+    budget, sister = _record(), _record("Ana lives in Porto.", memory_id="m2")
+    store = _RecordsStore(budget, sister)
+    block = render_memories([budget, sister], "You remember:")
+    assert block == f"You remember:\n{render_marker(budget)}\n{render_marker(sister)}" and render_memories([], "x") == ""
+    marked = f"Human: hi\n{render_marker(budget)}\nAI: hello\n{render_marker(sister)}\nHuman: and?"
+    message = marked_user_message(marked, store, tenant="alice")
+    assert message["memories"] == [budget, sister]
+    assert message["content"] == "Human: hi\nAI: hello\nHuman: and?"  # each fragment ends its line
+    assert message["memories_at"] == [len("Human: hi\n"), len("Human: hi\nAI: hello\n")]
+    # another tenant, or no store: the memories are plain text and no marker is left
+    for message in (marked_user_message(marked, store, tenant="bob"), marked_user_message(marked)):
+        assert message == {"role": "user", "content": strip_markers(marked)} and "⟦" not in message["content"]
+    assert marked_user_message(marked, store, tenant="alice", session_id="s2")["content"] == strip_markers(marked)

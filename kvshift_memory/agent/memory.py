@@ -21,7 +21,6 @@ Calls on one ``AgentMemory`` are serialised: a second ``chat`` waits for the fir
 from __future__ import annotations
 
 import asyncio
-import re
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator, Sequence
@@ -31,13 +30,11 @@ from typing import Any
 from .. import inputs
 from ..exceptions import InvalidInputError, MemoryNotFoundError, SessionBusyError
 from .corrections import is_correction_cue
+from .recall import archive, last_sentence, recall
 from .writeback import Decision, WriteBackModel
 
 __all__ = ["AgentMemory", "AgentSettings", "Reply", "ReplyStream"]
 
-_RECALL_SPARE = 8
-# a question longer than this is not copied into the memory of the turn that answers it
-_QUESTION_CONTEXT_CHARS = 400
 # template tokens a message costs around its content (`<|im_start|>user\n` ... `<|im_end|>\n`)
 _MESSAGE_OVERHEAD = 6
 
@@ -436,21 +433,17 @@ class AgentMemory:
 
         A correction was already stored as the new version of the memory it corrects.
         """
-        importance = self.writeback.importance(text, self._previous)
         if correction is not None:
             self._warm([correction])
-            return importance, "archive", correction
-        decision = self.writeback.decide(importance)
-        if decision == "archive" and not self.settings.write_back:
-            decision = "keep"
-        archived = None
-        if decision == "archive":
-            archived = self.store.add(
-                _archived_text(text, self._previous),
-                tenant=self.user_id,
-                session_id=self.session_id,
-                importance_score=importance,
-            )
+            return self.writeback.importance(text, self._previous), "archive", correction
+        if not self.settings.write_back:
+            importance = self.writeback.importance(text, self._previous)
+            decision = self.writeback.decide(importance)
+            return importance, "keep" if decision == "archive" else decision, None
+        importance, decision, archived = archive(
+            self.writeback, self.store, text, self._previous, user_id=self.user_id, session_id=self.session_id
+        )
+        if archived is not None:
             self._warm([archived])
         return importance, decision, archived
 
@@ -479,20 +472,18 @@ class AgentMemory:
         return None
 
     def _recall(self, message: str, exclude: set[tuple[str, int]]) -> list[Any]:
-        """The memories to recall for ``message``: the store's two paths (embedding and keywords)
-        over all of the user's sessions, ranked with this session's and important memories lifted."""
-        k = self.settings.recall_k
-        # a few more candidates than needed: some are already in the window, some rank up here
-        hits = self.store.search(message, tenant=self.user_id, k=k + _RECALL_SPARE)
-        candidates = [
-            hit for hit in hits if hit.score >= self.settings.recall_min_score and (hit.id, hit.version) not in exclude
-        ]
-
-        def rank(record: Any) -> float:
-            same_session = self.settings.session_weight if record.session_id == self.session_id else 0.0
-            return record.score + self.settings.importance_weight * record.importance_score + same_session
-
-        return sorted(candidates, key=rank, reverse=True)[:k][::-1]  # most relevant last: nearest the question
+        settings = self.settings
+        return recall(
+            self.store,
+            message,
+            user_id=self.user_id,
+            session_id=self.session_id,
+            exclude=exclude,
+            k=settings.recall_k,
+            min_score=settings.recall_min_score,
+            importance_weight=settings.importance_weight,
+            session_weight=settings.session_weight,
+        )
 
     def _tokens(self, text: str, recalled: Sequence[Any] = ()) -> int:
         count = self.engine.count_tokens
@@ -541,7 +532,7 @@ class AgentMemory:
         )
         turn.tokens += self.engine.count_tokens(turn.reply) + _MESSAGE_OVERHEAD
         self._window = plan.kept_turns + ([turn] if decision != "drop" else [])
-        self._previous = _last_sentence(turn.reply)
+        self._previous = last_sentence(turn.reply)
         return Reply(
             message=plan.message,
             text=turn.reply,
@@ -561,29 +552,3 @@ def _without(turn: _Turn, record: Any) -> _Turn:
     """``turn`` without ``record`` (any version of it) among its recalled memories."""
     kept = tuple(r for r in turn.recalled if r.id != record.id)
     return turn if len(kept) == len(turn.recalled) else replace(turn, recalled=kept)
-
-
-def _archived_text(text: str, previous: str) -> str:
-    """What a turn is archived as: the turn, after the question it answers when it answers one.
-
-    "Lisbon." means nothing alone; "Where are you going in May?" + "Lisbon." is a memory.
-    """
-    previous = previous.strip()
-    if previous.endswith("?") and len(previous) <= _QUESTION_CONTEXT_CHARS:
-        return f"{previous}\n{text}"
-    return text
-
-
-_SENTENCE_END = re.compile(r"(?<=[.!?])\s+")
-
-
-def _last_sentence(reply: str) -> str:
-    """What a user's next message answers: the reply's last sentence.
-
-    The write-back rule was fitted on conversations between people, where "the turn before" is the
-    other person's; an assistant's whole reply is much longer than that and would lower every
-    importance (the rule weighs a long turn before against a turn), while its last sentence is
-    what the user responds to, and is the question when the reply asked one.
-    """
-    sentences = _SENTENCE_END.split(reply.strip())
-    return sentences[-1] if sentences else ""

@@ -265,6 +265,7 @@ class KVShiftEngine:
         seed: int | None = None,
         stop: str | Sequence[str] | None = None,
         stream: bool = False,
+        fragments_after: str | None = None,
     ) -> GenerationResult | GenerationStream:
         """Answer ``messages`` with ``memories`` in the system message.
 
@@ -280,6 +281,10 @@ class KVShiftEngine:
         :param temperature: 0 for greedy decoding, else sampling with ``top_p``/``top_k``/``seed``.
         :param stop: strings that end the answer (not included in it).
         :param stream: return a :class:`GenerationStream` of text pieces instead of waiting.
+        :param fragments_after: the system message memories' fragments are encoded after (and
+            looked up under); default: this prompt's own. A caller whose system message changes
+            every call (a chat engine that writes retrieved documents into it) passes a fixed one,
+            the same it gives :meth:`warm`, so fragments encoded once keep serving.
         :returns: a :class:`GenerationResult` (text, token ids, stats, finish reason).
         :raises InvalidInputError: bad messages, memories or parameters.
         :raises ContextOverflowError: the prompt plus ``max_new_tokens`` exceeds the context window.
@@ -288,7 +293,9 @@ class KVShiftEngine:
         max_new_tokens = inputs.check_positive_int(max_new_tokens, "max_new_tokens")
         inputs.check_sampling(temperature, top_p, top_k, seed)
         stops = inputs.check_stop(stop)
-        layout, mode, ratio, requested, fallback = self._plan(messages, memories, reuse, recompute_ratio, max_new_tokens)
+        layout, mode, ratio, requested, fallback = self._plan(
+            messages, memories, reuse, recompute_ratio, max_new_tokens, fragments_after
+        )
         sampling = (float(temperature), float(top_p), int(top_k), seed)
         steps = self._generate_steps(layout, mode, ratio, requested, fallback, max_new_tokens, sampling, stops, started)
         if stream:
@@ -307,6 +314,7 @@ class KVShiftEngine:
         reuse: str | None = None,
         recompute_ratio: float | None = None,
         return_distributions: bool = False,
+        fragments_after: str | None = None,
     ) -> ScoreResult:
         """Log-probabilities of ``continuation`` as the start of the assistant's answer.
 
@@ -316,6 +324,7 @@ class KVShiftEngine:
 
         :param continuation: text (tokenised as content) or token ids.
         :param return_distributions: also return the full log-softmax at each position.
+        :param fragments_after: as in :meth:`generate`.
         :raises InvalidInputError: bad input, or token ids outside the vocabulary.
         :raises ContextOverflowError: prompt plus continuation exceeds the context window.
         """
@@ -327,7 +336,9 @@ class KVShiftEngine:
             cont_ids = continuation
             if max(cont_ids) >= self.vocab_size:
                 raise InvalidInputError(f"continuation holds token id {max(cont_ids)} >= vocabulary size {self.vocab_size}")
-        layout, mode, ratio, requested, fallback = self._plan(messages, memories, reuse, recompute_ratio, len(cont_ids))
+        layout, mode, ratio, requested, fallback = self._plan(
+            messages, memories, reuse, recompute_ratio, len(cont_ids), fragments_after
+        )
         return self._score(layout, mode, ratio, requested, fallback, cont_ids, return_distributions, started)
 
     def warm(self, memories: Sequence[Any], messages: Sequence[dict[str, str]] | str | None = None) -> int:
@@ -363,7 +374,7 @@ class KVShiftEngine:
 
     # ------------------------------------------------------------------ planning
 
-    def _plan(self, messages, memories, reuse, recompute_ratio, extra_tokens):
+    def _plan(self, messages, memories, reuse, recompute_ratio, extra_tokens, fragments_after=None):
         messages = inputs.check_messages(messages)
         texts = inputs.check_memories(memories)
         requested = inputs.check_reuse(reuse)
@@ -374,6 +385,12 @@ class KVShiftEngine:
                 given.extend(message["memories"])
                 message["memories"] = inputs.check_memories(message["memories"])
         layout = build_layout(self._tokens, messages, texts, self.settings.system_prompt, self.settings.memory_header)
+        if fragments_after is not None:
+            fixed = [{"role": "system", "content": inputs.check_text(fragments_after, "fragments_after")}]
+            question = [{"role": "user", "content": "?"}]  # only the system message matters here
+            settings = self.settings
+            conditioning = build_layout(self._tokens, fixed + question, [], settings.system_prompt, settings.memory_header).conditioning
+            layout = replace(layout, conditioning=conditioning)
         records = [None if isinstance(memory, str) else memory for memory in given]
         layout = replace(layout, fragments=tuple(replace(s, record=r) for s, r in zip(layout.fragments, records)))
         for index, span in enumerate(layout.fragments):

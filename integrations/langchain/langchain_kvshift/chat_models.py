@@ -10,7 +10,7 @@ reused is reported the way LangChain reports provider-side prompt caching:
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from langchain_core.callbacks import CallbackManagerForLLMRun
@@ -26,7 +26,7 @@ from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResu
 from pydantic import ConfigDict, Field
 
 from kvshift_memory import GenerationResult, InvalidInputError, KVShiftEngine, MemoryStore
-from kvshift_memory.markers import resolve_markers, strip_markers
+from kvshift_memory.markers import marked_user_message, strip_markers
 
 __all__ = ["ChatKVShift"]
 
@@ -54,36 +54,16 @@ def _text(message: BaseMessage, index: int) -> str:
     return "".join(parts)
 
 
-def _with_memories(text: str, resolve: Callable[[str], list[Any]] | None) -> dict[str, Any]:
-    """A user message whose marked memories (DESIGN §4) bring their stored fragments along.
-
-    Each resolved memory stays where its marker stood (a memory's fragment ends its line, so the
-    newline after the marker goes); markers that do not resolve are read as plain text. No
-    marker is ever left in the content.
-    """
-    if resolve is None or "⟦" not in text:
-        return {"role": "user", "content": strip_markers(text)}
-    content, records, offsets = "", [], []
-    for piece in resolve(text):
-        if isinstance(piece, str):
-            content += piece[1:] if records and offsets[-1] == len(content) and piece.startswith("\n") else piece
-        else:
-            records.append(piece)
-            offsets.append(len(content))
-    if not records:
-        return {"role": "user", "content": content}
-    return {"role": "user", "content": content, "memories": records, "memories_at": offsets}
-
-
 def to_engine_messages(
-    messages: Sequence[BaseMessage], resolve: Callable[[str], list[Any]] | None = None
+    messages: Sequence[BaseMessage], store: Any = None, *, user_id: str | None = None, session_id: str | None = None
 ) -> list[dict[str, Any]]:
     """LangChain messages as the engine's ``{"role", "content"}`` dicts.
 
     System messages are joined into one leading system message (the engine's chat template has
     one place for it), in order; human, AI and chat messages with those roles keep their order.
-    With ``resolve`` (text -> plain pieces and memory records), a human message's marked memories
-    are passed as memories; every other marker is removed.
+    With ``store`` and ``user_id``, a human message's markers that name this user's memories
+    bring their fragments along (:func:`~kvshift_memory.markers.marked_user_message`); every
+    other marker is removed.
 
     :raises InvalidInputError: a tool or function message, an unknown role, a non-text block.
     """
@@ -97,7 +77,7 @@ def to_engine_messages(
         if _ROLES[role] == "system":
             system.append(strip_markers(text))
         elif _ROLES[role] == "user":
-            turns.append(_with_memories(text, resolve))
+            turns.append(marked_user_message(text, store, tenant=user_id, session_id=session_id))
         else:
             turns.append({"role": "assistant", "content": strip_markers(text)})
     return ([{"role": "system", "content": "\n\n".join(system)}] if system else []) + turns
@@ -162,11 +142,6 @@ class ChatKVShift(BaseChatModel):
             ls_stop=stop or self.stop,
         )
 
-    def _resolver(self) -> Callable[[str], list[Any]] | None:
-        if self.store is None or self.user_id is None:
-            return None
-        return lambda text: resolve_markers(text, self.store, tenant=self.user_id, session_id=self.session_id)
-
     def _engine(self) -> KVShiftEngine:
         return self.engine if self.engine is not None else KVShiftEngine.shared(self.model)
 
@@ -212,7 +187,7 @@ class ChatKVShift(BaseChatModel):
         **kwargs: Any,
     ) -> ChatResult:
         options = self._options(stop, kwargs)
-        result = self._engine().generate(to_engine_messages(messages, self._resolver()), **options)
+        result = self._engine().generate(to_engine_messages(messages, self.store, user_id=self.user_id, session_id=self.session_id), **options)
         return ChatResult(generations=[ChatGeneration(message=self._message(result))])
 
     def _stream(
@@ -223,7 +198,7 @@ class ChatKVShift(BaseChatModel):
         **kwargs: Any,
     ) -> Iterator[ChatGenerationChunk]:
         options = self._options(stop, kwargs)
-        pieces = self._engine().generate(to_engine_messages(messages, self._resolver()), stream=True, **options)
+        pieces = self._engine().generate(to_engine_messages(messages, self.store, user_id=self.user_id, session_id=self.session_id), stream=True, **options)
         finished = False
         try:
             for piece in pieces:

@@ -17,9 +17,9 @@ from langchain_classic.base_memory import BaseMemory
 from pydantic import ConfigDict, Field, PrivateAttr
 
 from kvshift_memory import InvalidInputError, MemoryStore
+from kvshift_memory.agent.recall import archive, last_sentence, recall
 from kvshift_memory.agent.writeback import WriteBackModel
-
-from langchain_kvshift._recall import recall_marked, write_back
+from kvshift_memory.markers import render_memories
 
 __all__ = ["KVShiftMemory"]
 
@@ -32,7 +32,8 @@ class KVShiftMemory(BaseMemory):
     :param session_id: this conversation; archived turns are stored under it, recall reaches all
         of the user's sessions.
     :param recall_k: memories recalled per input, most relevant last; ``recall_min_score`` is the
-        least similarity a recalled memory needs.
+        least similarity a recalled memory needs. They rank as :class:`~kvshift_memory.AgentMemory`
+        ranks them (``kvshift_memory.agent.recall``).
     :param write_back: archive the human's turns the bundled write-back rule finds worth keeping
         (``kvshift_memory.agent.writeback``), so that later sessions recall them.
     """
@@ -52,8 +53,8 @@ class KVShiftMemory(BaseMemory):
     write_back: bool = True
     _turns: list[tuple[str, str, str]] = PrivateAttr(default_factory=list)  # (recalled, human, ai)
     _recalled: str = PrivateAttr(default="")  # the block the last input recalled, for its turn
-    _recalled_ids: list[str] = PrivateAttr(default_factory=list)
-    _shown: set[str] = PrivateAttr(default_factory=set)  # memories the conversation shows already
+    _recalled_ids: list[tuple[str, int]] = PrivateAttr(default_factory=list)
+    _shown: set[tuple[str, int]] = PrivateAttr(default_factory=set)  # (id, version) the conversation shows
     _rule: WriteBackModel = PrivateAttr(default_factory=WriteBackModel.bundled)
 
     @property
@@ -80,15 +81,17 @@ class KVShiftMemory(BaseMemory):
         for recalled, human, ai in self._turns:
             lines += [recalled] if recalled else []
             lines += [f"{self.human_prefix}: {human}", f"{self.ai_prefix}: {ai}"]
-        self._recalled, self._recalled_ids = recall_marked(
+        recalled = recall(
             self.store,
             query,
             user_id=self.user_id,
-            shown=self._shown,
+            session_id=self.session_id,
+            exclude=self._shown,
             k=self.recall_k,
             min_score=self.recall_min_score,
-            header=self.memories_header,
         )
+        self._recalled = render_memories(recalled, self.memories_header)
+        self._recalled_ids = [(record.id, record.version) for record in recalled]
         if self._recalled:
             lines.append(self._recalled)
         return {self.memory_key: "\n".join(lines)}
@@ -102,14 +105,14 @@ class KVShiftMemory(BaseMemory):
         texts = [value for value in outputs.values() if isinstance(value, str)]
         if len(texts) != 1:
             raise InvalidInputError(f"KVShiftMemory needs one text output; got keys {sorted(outputs)}")
-        previous = self._turns[-1][2] if self._turns else ""
+        previous = last_sentence(self._turns[-1][2]) if self._turns else ""
         self._turns.append((self._recalled, human, texts[0]))
         self._shown.update(self._recalled_ids)
         self._recalled, self._recalled_ids = "", []
         if self.write_back:
-            record = write_back(self._rule, self.store, human, previous, user_id=self.user_id, session_id=self.session_id)
+            _, _, record = archive(self._rule, self.store, human, previous, user_id=self.user_id, session_id=self.session_id)
             if record is not None:
-                self._shown.add(record.id)
+                self._shown.add((record.id, record.version))
 
     def clear(self) -> None:
         """Forget the conversation (the store keeps what was archived)."""

@@ -18,9 +18,9 @@ from langchain.agents.middleware import AgentMiddleware
 from langchain_core.messages import AIMessage, HumanMessage
 
 from kvshift_memory import MemoryStore
+from kvshift_memory.agent.recall import archive, last_sentence, recall
 from kvshift_memory.agent.writeback import WriteBackModel
-from kvshift_memory.markers import parse_markers
-from langchain_kvshift._recall import recall_marked, write_back
+from kvshift_memory.markers import parse_markers, render_memories
 
 __all__ = ["KVShiftMiddleware"]
 
@@ -69,18 +69,19 @@ class KVShiftMiddleware(AgentMiddleware):
         last = messages[-1] if messages else None
         if not isinstance(last, HumanMessage) or ORIGINAL in last.additional_kwargs or not last.text.strip():
             return None
-        shown = {span.memory_id for m in messages for span in parse_markers(m.text) if span.memory_id is not None}
-        block, _ = recall_marked(
+        shown = {(span.memory_id, span.version) for m in messages for span in parse_markers(m.text) if span.memory_id}
+        recalled = recall(
             self.store,
             last.text,
             user_id=self.user_id,
-            shown=shown,
+            session_id=self.session_id,
+            exclude=shown,
             k=self.recall_k,
             min_score=self.recall_min_score,
-            header=self.memories_header,
         )
-        if not block:
+        if not recalled:
             return None
+        block = render_memories(recalled, self.memories_header)
         content = f"{block}\n\n{last.text}"
         return {"messages": [HumanMessage(content=content, id=last.id, additional_kwargs={ORIGINAL: last.text})]}
 
@@ -96,8 +97,8 @@ class KVShiftMiddleware(AgentMiddleware):
         if human is None:
             return None
         text = human.additional_kwargs.get(ORIGINAL, human.text)
-        previous = next((m.text for m in reversed(messages[: messages.index(human)]) if isinstance(m, AIMessage)), "")
-        write_back(self._rule, self.store, text, previous, user_id=self.user_id, session_id=self.session_id)
+        reply = next((m.text for m in reversed(messages[: messages.index(human)]) if isinstance(m, AIMessage)), "")
+        archive(self._rule, self.store, text, last_sentence(reply), user_id=self.user_id, session_id=self.session_id)
         return None
 
     async def abefore_model(self, state: dict[str, Any], runtime: Any) -> dict[str, Any] | None:

@@ -73,23 +73,7 @@ def test_call_options_are_checked_before_any_model_work():
     assert llm._get_ls_params(stop=["x"], max_tokens=5)["ls_max_tokens"] == 5
 
 
-
-class _Record:
-    def __init__(self, text: str) -> None:
-        self.text = text
-
-
-def test_marked_memories_become_memories_where_their_markers_stood():
-    budget, sister = _Record("The budget is 50k."), _Record("Ana lives in Porto.")
-    marked = "Human: hi\n⟦mem:a@1⟧The budget is 50k.⟦/mem⟧\nAI: hello\n⟦mem:b@1⟧Ana lives in Porto.⟦/mem⟧\nHuman: and?"
-    resolved = lambda text: ["Human: hi\n", budget, "\nAI: hello\n", sister, "\nHuman: and?"]  # noqa: E731
-    message = chat_models.to_engine_messages([HumanMessage(marked)], resolved)[0]
-    assert message["memories"] == [budget, sister]
-    assert message["content"] == "Human: hi\nAI: hello\nHuman: and?"
-    assert message["memories_at"] == [len("Human: hi\n"), len("Human: hi\nAI: hello\n")]
-    nothing = lambda text: ["Human: hi\nThe budget is 50k.\nHuman: and?"]  # noqa: E731
-    assert chat_models.to_engine_messages([HumanMessage(marked)], nothing)[0] == {
-        "role": "user", "content": "Human: hi\nThe budget is 50k.\nHuman: and?"
-    }
+def test_markers_never_reach_the_engine_without_a_store():
+    marked = "Human: hi\n⟦mem:a@1⟧The budget is 50k.⟦/mem⟧\nHuman: and?"
     unresolved = chat_models.to_engine_messages([SystemMessage(marked), HumanMessage(marked), AIMessage(marked)])
     assert all("⟦" not in m["content"] and "memories" not in m for m in unresolved)
