@@ -9,7 +9,7 @@ TORCH_PIN ?= torch==2.13.0
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: install demo test bench clean
+.PHONY: install demo test bench notebooks clean
 
 LLAMA_LLMS := integrations/llama_index/llama-index-llms-kvshift
 LLAMA_MEMORY := integrations/llama_index/llama-index-memory-kvshift
@@ -39,6 +39,10 @@ bench: install
 	$(PY) benchmarks/turns.py
 	$(PY) benchmarks/locomo.py
 	$(VENV)/bin/kvshift bench --plot-only
+
+# rebuild examples/*.ipynb from their scripts, executed on this machine (outputs and figures)
+notebooks: install
+	$(PY) examples/notebooks.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache
