@@ -116,6 +116,12 @@ def test_condense_plus_context_chat_engine_recalls_the_first_turn_in_the_fifth(s
     # the system message changed with the retrieved documents: the fragment still served
     assert all(s["fragments_missed"] == 0 for s in fifth)
 
+    streamed = chat.stream_chat("And where is the trip?")  # the reply is written to memory by a thread
+    text = "".join(streamed.response_gen)
+    assert text and memory.get_all()[-1].content == text.strip()
+    reply = asyncio.run(chat.achat("Thanks!"))
+    assert reply.response and [m.content for m in memory.get_all()[-2:]] == ["Thanks!", reply.response]
+
 
 def test_streaming_and_async_chat_engines_keep_the_memory(store):
     llm, _ = _llm(store)
