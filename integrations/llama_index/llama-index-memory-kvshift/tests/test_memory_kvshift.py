@@ -82,6 +82,20 @@ def test_simple_chat_engine_recalls_the_first_turn_in_the_fifth_from_its_fragmen
     assert all(s["reused_tokens"] > 0 for s in seen[1:])
 
 
+def test_a_new_session_recalls_what_an_earlier_one_was_told_from_its_fragment(store):
+    llm, seen = _llm(store)
+    earlier = SimpleChatEngine.from_defaults(llm=llm, memory=_memory(store))
+    earlier.chat(FACT)
+    later_memory = KVShiftMemory.from_defaults(store=store, user_id="alice", session_id="another-day")
+    later = SimpleChatEngine.from_defaults(llm=llm, memory=later_memory)
+    assert later.chat(TURNS[-1]).response
+    assert render_marker(_fact_record(store)) in later_memory.get()[-2].content
+    assert seen[-1]["fragments_hit"] == 1 and seen[-1]["fragments_missed"] == 0
+    other_user = KVShiftMemory.from_defaults(store=store, user_id="bob", session_id="s")
+    other_user.put(ChatMessage(role="user", content=TURNS[-1]))
+    assert "⟦mem:" not in "".join(m.content for m in other_user.get())  # nothing of alice's for bob
+
+
 class _Documents(BaseRetriever):
     """The trip's documents, searched in the same store under their own tenant (no other embedder)."""
 
