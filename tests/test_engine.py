@@ -310,7 +310,7 @@ def test_warm_encodes_once(tiny_engine):
 def test_fragments_encoded_after_a_fixed_system_message_serve_any_system_message(tiny_engine):
     tiny_engine.clear_cache()
     fixed = "You remember what the user told you."
-    assert tiny_engine.warm(MEMORIES, [{"role": "system", "content": fixed}, {"role": "user", "content": "?"}]) == len(MEMORIES)
+    assert tiny_engine.warm(MEMORIES, fragments_after=fixed) == len(MEMORIES)
     for documents in ("Document: Lisbon has trams.", "Document: Porto has bridges."):  # a system message that changes
         messages = [{"role": "system", "content": documents}, {"role": "user", "content": "q"}]
         without = tiny_engine.generate(messages, MEMORIES, max_new_tokens=1)

@@ -341,12 +341,19 @@ class KVShiftEngine:
         )
         return self._score(layout, mode, ratio, requested, fallback, cont_ids, return_distributions, started)
 
-    def warm(self, memories: Sequence[Any], messages: Sequence[dict[str, str]] | str | None = None) -> int:
+    def warm(
+        self,
+        memories: Sequence[Any],
+        messages: Sequence[dict[str, str]] | str | None = None,
+        *,
+        fragments_after: str | None = None,
+    ) -> int:
         """Encode the memories' fragments now, ahead of any question, and cache the shared prefix.
 
         An agent calls this when it stores memories, so that a question later pays only for
         itself. Fragments depend on the system message (they are encoded after it): pass the
-        ``messages`` whose system message will be used, or leave it out for the default one.
+        ``messages`` whose system message will be used, or leave it out for the default one; or
+        the ``fragments_after`` that :meth:`generate` will be given.
         Does nothing for models whose positions cannot be shifted.
 
         :returns: how many fragments were encoded (those already cached are skipped).
@@ -354,7 +361,7 @@ class KVShiftEngine:
         """
         if messages is None:
             messages = [{"role": "user", "content": "?"}]  # only the system message matters here
-        layout, mode, _, _, _ = self._plan(messages, memories, "blend", 0.0, 1)
+        layout, mode, _, _, _ = self._plan(messages, memories, "blend", 0.0, 1, fragments_after)
         if mode != "blend" or not layout.fragments:
             return 0
         return self._warm(layout)

@@ -142,6 +142,9 @@ class ChatKVShift(BaseChatModel):
             ls_stop=stop or self.stop,
         )
 
+    def _engine_messages(self, messages: Sequence[BaseMessage]) -> list[dict[str, Any]]:
+        return to_engine_messages(messages, self.store, user_id=self.user_id, session_id=self.session_id)
+
     def _engine(self) -> KVShiftEngine:
         return self.engine if self.engine is not None else KVShiftEngine.shared(self.model)
 
@@ -187,7 +190,7 @@ class ChatKVShift(BaseChatModel):
         **kwargs: Any,
     ) -> ChatResult:
         options = self._options(stop, kwargs)
-        result = self._engine().generate(to_engine_messages(messages, self.store, user_id=self.user_id, session_id=self.session_id), **options)
+        result = self._engine().generate(self._engine_messages(messages), **options)
         return ChatResult(generations=[ChatGeneration(message=self._message(result))])
 
     def _stream(
@@ -198,7 +201,7 @@ class ChatKVShift(BaseChatModel):
         **kwargs: Any,
     ) -> Iterator[ChatGenerationChunk]:
         options = self._options(stop, kwargs)
-        pieces = self._engine().generate(to_engine_messages(messages, self.store, user_id=self.user_id, session_id=self.session_id), stream=True, **options)
+        pieces = self._engine().generate(self._engine_messages(messages), stream=True, **options)
         finished = False
         try:
             for piece in pieces:

@@ -51,9 +51,8 @@ class KVShiftMemory(BaseMemory):
     recall_k: int = 4
     recall_min_score: float = 0.3
     write_back: bool = True
-    _turns: list[tuple[str, str, str]] = PrivateAttr(default_factory=list)  # (recalled, human, ai)
-    _recalled: str = PrivateAttr(default="")  # the block the last input recalled, for its turn
-    _recalled_ids: list[tuple[str, int]] = PrivateAttr(default_factory=list)
+    _turns: list[tuple[list[Any], str, str]] = PrivateAttr(default_factory=list)  # (recalled, human, ai)
+    _recalled: list[Any] = PrivateAttr(default_factory=list)  # what the last input recalled, for its turn
     _shown: set[tuple[str, int]] = PrivateAttr(default_factory=set)  # (id, version) the conversation shows
     _rule: WriteBackModel = PrivateAttr(default_factory=WriteBackModel.bundled)
 
@@ -79,9 +78,9 @@ class KVShiftMemory(BaseMemory):
         query = self._input(inputs)
         lines = []
         for recalled, human, ai in self._turns:
-            lines += [recalled] if recalled else []
+            lines += [render_memories(recalled, self.memories_header)] if recalled else []
             lines += [f"{self.human_prefix}: {human}", f"{self.ai_prefix}: {ai}"]
-        recalled = recall(
+        self._recalled = recall(
             self.store,
             query,
             user_id=self.user_id,
@@ -90,10 +89,8 @@ class KVShiftMemory(BaseMemory):
             k=self.recall_k,
             min_score=self.recall_min_score,
         )
-        self._recalled = render_memories(recalled, self.memories_header)
-        self._recalled_ids = [(record.id, record.version) for record in recalled]
         if self._recalled:
-            lines.append(self._recalled)
+            lines.append(render_memories(self._recalled, self.memories_header))
         return {self.memory_key: "\n".join(lines)}
 
     def save_context(self, inputs: dict[str, Any], outputs: dict[str, str]) -> None:
@@ -107,8 +104,8 @@ class KVShiftMemory(BaseMemory):
             raise InvalidInputError(f"KVShiftMemory needs one text output; got keys {sorted(outputs)}")
         previous = last_sentence(self._turns[-1][2]) if self._turns else ""
         self._turns.append((self._recalled, human, texts[0]))
-        self._shown.update(self._recalled_ids)
-        self._recalled, self._recalled_ids = "", []
+        self._shown.update((record.id, record.version) for record in self._recalled)
+        self._recalled = []
         if self.write_back:
             _, _, record = archive(self._rule, self.store, human, previous, user_id=self.user_id, session_id=self.session_id)
             if record is not None:
@@ -118,4 +115,4 @@ class KVShiftMemory(BaseMemory):
         """Forget the conversation (the store keeps what was archived)."""
         self._turns.clear()
         self._shown.clear()
-        self._recalled, self._recalled_ids = "", []
+        self._recalled = []

@@ -40,8 +40,7 @@ class _Entry:
     """One message of the conversation, and what this memory knows about it."""
 
     message: ChatMessage
-    recalled: list[MemoryRecord] = field(default_factory=list)  # a user message's recalled memories
-    block: str = ""  # ... rendered in markers, shown in front of it
+    recalled: list[MemoryRecord] = field(default_factory=list)  # a user message's, shown in front of it
     recall_done: bool = False
     written_back: bool = False  # a user message is classified for write-back once
     archived: MemoryRecord | None = None  # what it was archived as
@@ -84,7 +83,7 @@ class KVShiftMemory(BaseMemory):
     _engine: KVShiftEngine | None = PrivateAttr(default=None)
     _entries: list[_Entry] = PrivateAttr(default_factory=list)
     _start: int = PrivateAttr(default=0)  # the window's first entry
-    _pending: tuple[str, list[MemoryRecord], str] | None = PrivateAttr(default=None)  # (input, recalled, block)
+    _pending: tuple[str, list[MemoryRecord]] | None = PrivateAttr(default=None)  # (input, what it recalled)
     _lock: threading.RLock = PrivateAttr(default_factory=threading.RLock)
     _rule: WriteBackModel = PrivateAttr(default_factory=WriteBackModel.bundled)
 
@@ -133,14 +132,13 @@ class KVShiftMemory(BaseMemory):
                 needed += self._count(input)
             if self._evict(needed) and query:  # what left the window may be recalled again
                 recalled = self._recall(query)
-            block = render_memories(recalled, self.memories_header)
             if input is not None:
-                self._pending = (input, recalled, block)
+                self._pending = (input, recalled)
             elif query:
-                self._attach(self._entries[-1], recalled, block)
+                self._attach(self._entries[-1], recalled)
             messages = [self._rendered(entry) for entry in self._entries[self._start :]]
-            if input is not None and block:
-                messages.append(ChatMessage(role=MessageRole.USER, content=block))
+            if input is not None and recalled:
+                messages.append(ChatMessage(role=MessageRole.USER, content=render_memories(recalled, self.memories_header)))
             return messages
 
     def get_all(self) -> list[ChatMessage]:
@@ -159,7 +157,7 @@ class KVShiftMemory(BaseMemory):
         with self._lock:
             entry = _Entry(message, tokens=self._count(message.content or ""))
             if message.role == MessageRole.USER and self._pending is not None and self._pending[0] == message.content:
-                self._attach(entry, self._pending[1], self._pending[2])
+                self._attach(entry, self._pending[1])
             self._pending = None
             self._entries.append(entry)
             if message.role == MessageRole.ASSISTANT and self.write_back:
@@ -216,14 +214,15 @@ class KVShiftMemory(BaseMemory):
             min_score=self.recall_min_score,
         )
 
-    def _attach(self, entry: _Entry, recalled: list[MemoryRecord], block: str) -> None:
-        entry.recalled, entry.block, entry.recall_done = recalled, block, True
+    def _attach(self, entry: _Entry, recalled: list[MemoryRecord]) -> None:
+        entry.recalled, entry.recall_done = recalled, True
         entry.tokens = self._count(self._rendered(entry).content or "")
 
     def _rendered(self, entry: _Entry) -> ChatMessage:
-        if not entry.block:
+        if not entry.recalled:
             return entry.message
-        return ChatMessage(role=entry.message.role, content=f"{entry.block}\n\n{entry.message.content or ''}")
+        block = render_memories(entry.recalled, self.memories_header)
+        return ChatMessage(role=entry.message.role, content=f"{block}\n\n{entry.message.content or ''}")
 
     def _evict(self, needed: int) -> bool:
         """Drop the oldest turns when the window and ``needed`` pass the limit; the message being
@@ -263,5 +262,4 @@ class KVShiftMemory(BaseMemory):
             return
         turn.archived = record
         # encoded now, after the reply: the turn that recalls it later reads it for free
-        fixed = self.fragments_after or self.engine.settings.system_prompt
-        self.engine.warm([record], [{"role": "system", "content": fixed}, {"role": "user", "content": "?"}])
+        self.engine.warm([record], fragments_after=self.fragments_after or self.engine.settings.system_prompt)
