@@ -38,6 +38,7 @@ bench: install
 	$(PY) benchmarks/recall.py
 	$(PY) benchmarks/turns.py
 	$(PY) benchmarks/locomo.py
+	$(PY) benchmarks/frameworks.py
 	$(VENV)/bin/kvshift bench --plot-only
 
 # rebuild examples/*.ipynb from their scripts, executed on this machine (outputs and figures)
