@@ -11,7 +11,9 @@ full recompute (``reuse="none"``) is the reference. Every condition is scored on
 
 Conditions: ``reorder`` (full recompute with the memories shuffled: how much merely reordering
 perturbs the answer, the bar reuse must meet), ``shift`` (fragments placed, nothing recomputed),
-``blend@r`` for each recompute ratio, and ``blend@default, no encode context`` (ablation).
+``blend@r`` for each recompute ratio, and two ablations of the default blend: ``no encode context``
+(fragments encoded after the prefix alone) and ``no lead fragment`` (the first memory shifted and
+repaired like the others instead of read from its lead fragment).
 
     python benchmarks/fidelity.py                      # 40 LoCoMo instances, ~1 h on 2 cores
     python benchmarks/fidelity.py --robustness         # + MemoryBank exchanges and short facts (KL only)
@@ -65,15 +67,15 @@ def context_names(engine: KVShiftEngine) -> set[str]:
     return speakers | (capitalised - openers)
 
 
-def run_dataset(engine, ablation, instances, ratios, default_ratio, generate, max_new_tokens, seed):
+def run_dataset(engine, ablations, instances, ratios, default_ratio, generate, max_new_tokens, seed):
     default = f"blend@{default_ratio:g}"
     ratios = sorted(set(ratios) | {default_ratio})
-    conditions = ["reorder", "shift"] + [f"blend@{r:g}" for r in ratios] + ["blend@default, no encode context"]
+    conditions = ["reorder", "shift"] + [f"blend@{r:g}" for r in ratios] + [f"blend@default, {a}" for a in ablations]
     # Answers are generated (exact match, contains-answer) for the conditions a user meets and for
     # every ratio the fidelity bar allows (at most 15 %: candidates for the default); the others
     # are scored only (KL, top-1), which is what the recompute curve needs.
     allowed = {f"blend@{r:g}" for r in ratios if r <= 0.15}
-    generated = ({"reorder", "shift", default, "blend@default, no encode context"} | allowed) if generate else set()
+    generated = ({"reorder", "shift", default} | {f"blend@default, {a}" for a in ablations} | allowed) if generate else set()
     rows = {name: [] for name in ["none", *conditions]}  # "none": the reference answers
     accuracy = {name: [] for name in ["none", *conditions]}
     leaks: list[dict] = []
@@ -97,8 +99,8 @@ def run_dataset(engine, ablation, instances, ratios, default_ratio, generate, ma
                 run_engine, run_memories, reuse, ratio = engine, shuffled, "none", None
             elif name == "shift":
                 run_engine, run_memories, reuse, ratio = engine, memories, "blend", 0.0
-            elif name.endswith("no encode context"):
-                run_engine, run_memories, reuse, ratio = ablation, memories, "blend", default_ratio
+            elif name.startswith("blend@default, "):
+                run_engine, run_memories, reuse, ratio = ablations[name.split(", ")[1]], memories, "blend", default_ratio
             else:
                 run_engine, run_memories, reuse, ratio = engine, memories, "blend", float(name.split("@")[1])
             run_engine.clear_cache(fragments=False)  # no prompt may be reused from another condition
@@ -111,7 +113,7 @@ def run_dataset(engine, ablation, instances, ratios, default_ratio, generate, ma
                 row["exact"] = own.token_ids == reference.token_ids
                 accuracy[name].append(contains(instance.answer, own.text))
                 row.update(answer=own.text, contains=accuracy[name][-1])
-                if run_engine is engine and reuse == "blend":  # only these read fragments encoded after the context
+                if run_engine is not ablations["no encode context"] and reuse == "blend":  # these read fragments encoded after it
                     leaked = {n for n in names if n in own.text and n not in reference.text and all(n not in m for m in memories)}
                     if leaked:
                         leaks.append({"instance": index, "condition": name, "words": sorted(leaked), "answer": own.text})
@@ -121,7 +123,7 @@ def run_dataset(engine, ablation, instances, ratios, default_ratio, generate, ma
         for name in conditions:
             rows[name][-1]["recomputed_share"] = rows[name][-1]["recomputed"] / span_tokens
         print(f"  [{index + 1}/{len(instances)}] {instance.question[:60]!r}: "
-              + ", ".join(f"{n.split(',')[0]} {rows[n][-1]['kl']:.3f}" for n in conditions), flush=True)
+              + ", ".join(f"{n.replace('blend@default, ', '')} {rows[n][-1]['kl']:.3f}" for n in conditions), flush=True)
 
     summary = {}
     for name in conditions:
@@ -168,7 +170,10 @@ def main() -> None:
     ratios = [float(r) for r in args.ratios.split(",")]
 
     engine = KVShiftEngine.from_pretrained()
-    ablation = KVShiftEngine(engine.model, engine.tokenizer, fingerprint=engine.fingerprint, encode_context="")
+    ablations = {
+        name: KVShiftEngine(engine.model, engine.tokenizer, fingerprint=engine.fingerprint, **setting)
+        for name, setting in (("no encode context", {"encode_context": ""}), ("no lead fragment", {"lead_fragments": False}))
+    }
     default_ratio = engine.settings.recompute_ratio
     started = time.time()
     datasets = {"locomo": (build_instances(args.instances, engine.count_tokens, seed=args.seed), True)}
@@ -187,7 +192,7 @@ def main() -> None:
     }
     for name, (instances, generate) in datasets.items():
         print(f"{name}: {len(instances)} instances", flush=True)
-        summary, rows = run_dataset(engine, ablation, instances, ratios, default_ratio, generate, args.max_new_tokens, args.seed)
+        summary, rows = run_dataset(engine, ablations, instances, ratios, default_ratio, generate, args.max_new_tokens, args.seed)
         report["datasets"][name] = {"instances": len(instances), "summary": summary, "per_instance": rows}
         print_table(f"{name} ({len(instances)} instances, seed {args.seed})", summary)
         if generate:

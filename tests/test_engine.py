@@ -157,13 +157,13 @@ def test_blend_recompute_budget_and_floor(tiny_engine):
     tiny_engine.clear_cache()
     result = tiny_engine.generate("Which memory mentions a fox?", many, reuse="blend", recompute_ratio=0.2, max_new_tokens=1)
     layout, *_ = tiny_engine._plan("Which memory mentions a fox?", many, "blend", 0.2, 1)
-    fragment_tokens = sum(span.end - span.start for span in layout.fragments)
-    assert result.stats.recomputed_tokens == round(0.2 * fragment_tokens)
+    shifted_tokens = sum(span.end - span.start for span in layout.fragments[1:])  # the first is read from its lead fragment
+    assert result.stats.recomputed_tokens == round(0.2 * shifted_tokens)
     tiny_engine.clear_cache(fragments=False)
     small = tiny_engine.generate("Which one?", MEMORIES[:2], reuse="blend", recompute_ratio=0.01, max_new_tokens=1)
-    # below the floor every fragment token is recomputed: repairing would cost more than it saves
-    assert small.stats.recomputed_tokens == small.stats.prompt_tokens - small.stats.prefilled_tokens - small.stats.reused_tokens
-    assert small.stats.recomputed_tokens > 0
+    # below the floor every shifted token is recomputed: repairing would cost more than it saves
+    layout, *_ = tiny_engine._plan("Which one?", MEMORIES[:2], "blend", 0.01, 1)
+    assert small.stats.recomputed_tokens == layout.fragments[1].end - layout.fragments[1].start
 
 
 def test_multi_turn_reuses_the_previous_turn(tiny_engine):
@@ -302,9 +302,74 @@ def test_the_shared_engine_is_loaded_once_per_model():
 def test_warm_encodes_once(tiny_engine):
     tiny_engine.clear_cache()
     assert tiny_engine.warm(MEMORIES, "q") == len(MEMORIES)
+    assert len(tiny_engine._fragments) == 2 * len(MEMORIES)  # each memory's lead fragment too
     assert tiny_engine.warm(MEMORIES, "q") == 0
     result = tiny_engine.generate("q", MEMORIES, reuse="blend", max_new_tokens=1)
     assert result.stats.fragments_hit == len(MEMORIES)
+    tiny_engine.clear_cache()
+    assert tiny_engine.warm(MEMORIES, "q", lead_fragments=False) == len(MEMORIES)
+    assert len(tiny_engine._fragments) == len(MEMORIES)
+    with pytest.raises(InvalidInputError):
+        tiny_engine.warm(MEMORIES, "q", lead_fragments="yes")
+
+
+def _slot_kv(engine: KVShiftEngine, messages, memories, reuse, ratio=None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    layout, mode, ratio, requested, fallback = engine._plan(messages, memories, reuse, ratio, 1)
+    return engine._prepare(layout, mode, ratio, requested, fallback, 1).cache.view(0, layout.length)
+
+
+def _span_error(engine: KVShiftEngine, memories, index: int) -> float:
+    """Largest |ΔK| over memory ``index``'s slots between the shifted prompt (warmed, no repair) and full recompute."""
+    layout, *_ = engine._plan("q", memories, "blend", 0.0, 1)
+    span = layout.fragments[index]
+    full = _slot_kv(engine, "q", memories, "none")
+    engine.clear_cache(fragments=False)
+    shifted = _slot_kv(engine, "q", memories, "blend", 0.0)
+    return max(float((a[0] - b[0])[..., span.start : span.end, :].abs().max()) for a, b in zip(full, shifted))
+
+
+def test_the_memory_opening_the_block_is_read_exactly_from_its_lead_fragment(tiny_engine, tokenizer):
+    tiny_engine.clear_cache()
+    tiny_engine.warm(MEMORIES, "q")
+    assert _span_error(tiny_engine, MEMORIES, 0) < 1e-5
+    assert _span_error(tiny_engine, MEMORIES, 1) > 1e-3  # the others are shifted: what the blend repairs
+    # the lead fragment is the memory's own: another memory opening the block reads its own
+    reordered = MEMORIES[::-1]
+    assert _span_error(tiny_engine, reordered, 0) < 1e-5
+    # a single memory is then exact end to end, at any ratio
+    reference = _first_logits(tiny_engine, "q", MEMORIES[:1], reuse="none")
+    tiny_engine.clear_cache(fragments=False)
+    assert (_first_logits(tiny_engine, "q", MEMORIES[:1], reuse="blend", ratio=0.0) - reference).abs().max() < 1e-4
+
+    without = KVShiftEngine(tiny_engine.model, tokenizer, fingerprint=tiny_engine.fingerprint, lead_fragments=False)
+    without.warm(MEMORIES, "q")
+    assert _span_error(without, MEMORIES, 0) > 1e-3
+
+
+def test_a_lead_fragment_is_not_encoded_at_question_time_when_the_ordinary_one_is_cached(tiny_engine):
+    tiny_engine.clear_cache()
+    tiny_engine.warm(MEMORIES, "q", lead_fragments=False)
+    stats = tiny_engine.generate("q", MEMORIES, reuse="blend", max_new_tokens=1).stats
+    assert stats.fragments_hit == len(MEMORIES) and stats.fragments_missed == 0 and stats.encoded_tokens == 0
+    assert _span_error(tiny_engine, MEMORIES, 0) > 1e-3  # shifted, as the others
+    # cold, the memory opening the block is encoded as it reads there (its lead fragment), the others as usual
+    tiny_engine.clear_cache()
+    cold = tiny_engine.generate("q", MEMORIES, reuse="blend", max_new_tokens=1).stats
+    assert cold.fragments_missed == len(MEMORIES) and _partition_holds(cold)
+    assert len(tiny_engine._fragments) == len(MEMORIES)
+    assert _span_error(tiny_engine, MEMORIES, 0) < 1e-5
+
+
+def test_memories_in_a_user_message_or_after_a_fixed_system_message_have_no_lead(tiny_engine):
+    tiny_engine.clear_cache()
+    tiny_engine.warm(MEMORIES, "q")
+    messages = [{"role": "user", "content": "q", "memories": MEMORIES}]
+    layout, *_ = tiny_engine._plan(messages, None, "blend", 0.0, 1)
+    assert not tiny_engine._reads_lead(layout, layout.fragments[0])
+    tiny_engine.clear_cache()
+    fixed = "You remember what the user told you."
+    tiny_engine.warm(MEMORIES, "q", fragments_after=fixed)
+    assert len(tiny_engine._fragments) == len(MEMORIES)  # its conditioning is not this prompt's start
 
 
 def test_fragments_encoded_after_a_fixed_system_message_serve_any_system_message(tiny_engine):
@@ -325,10 +390,10 @@ def test_fragments_encoded_after_a_fixed_system_message_serve_any_system_message
 def test_generation_does_not_mutate_cached_fragments(tiny_engine):
     tiny_engine.clear_cache()
     tiny_engine.warm(MEMORIES, "q")
-    before = [tuple(t.clone() for t in f.keys) for f in tiny_engine._fragments.values()]
+    fragments = list(tiny_engine._fragments.values())  # lead and ordinary fragments
+    before = [tuple(t.clone() for t in f.keys + f.values) for f in fragments]
     tiny_engine.generate("q", MEMORIES, reuse="blend", recompute_ratio=0.5, max_new_tokens=4)
-    after = [f.keys for f in tiny_engine._fragments.values()]
-    assert all(torch.equal(x, y) for old, new in zip(before, after) for x, y in zip(old, new))
+    assert all(torch.equal(x, y) for old, f in zip(before, fragments) for x, y in zip(old, f.keys + f.values))
 
 
 # ---------------------------------------------------------------- fallback

@@ -52,6 +52,24 @@ def test_fragments_are_stored_once_and_fetched_later(bundled_engine, store):
     assert store.stats()["fragments"] == 4
 
 
+@pytest.mark.model
+def test_lead_fragments_are_stored_beside_the_ordinary_ones_and_fetched_for_the_first_memory(bundled_engine, store):
+    records = [store.add(text, tenant="alice") for text in FACTS]
+    cold(bundled_engine, store)
+    assert bundled_engine.warm(records) == 4
+    assert all(len(blob_keys(store, r)) == 2 for r in records)
+    cold(bundled_engine, store)
+    assert bundled_engine.warm(records) == 0  # both found in the store
+    for order in (records, records[::-1]):  # whichever memory comes first reads its lead fragment
+        cold(bundled_engine, store)
+        stats = bundled_engine.generate(QUESTION, order, max_new_tokens=1).stats
+        assert (stats.fragments_loaded, stats.fragments_missed, stats.encoded_tokens) == (4, 0, 0)
+        layout = bundled_engine._plan(QUESTION, order, "blend", 0.0, 1)[0]
+        lead_digest = bundled_engine._context_digest(layout, lead=True)
+        loaded = list(bundled_engine._fragments.values())
+        assert [f.token_ids for f in loaded if f.context_digest == lead_digest] == [layout.fragments[0].token_ids]
+
+
 def _flip_a_bit(blob: bytes) -> bytes:
     damaged = bytearray(blob)
     damaged[len(damaged) // 2] ^= 0x08
@@ -76,7 +94,7 @@ def _wrong_shapes(blob: bytes) -> bytes:
 @pytest.mark.parametrize("damage", [_flip_a_bit, _truncate, _wrong_shapes, "another memory's blob"])
 def test_a_damaged_blob_is_refused_reencoded_and_the_answer_is_unchanged(bundled_engine, store, damage):
     records = [store.add(text, tenant="alice") for text in FACTS]
-    bundled_engine.warm(records)
+    bundled_engine.warm(records, lead_fragments=False)  # one blob per memory (the first is then shifted too)
     victim, donor = records[1], records[2]
     [key] = blob_keys(store, victim)
     # the reference: the victim's fragment freshly encoded from text, the others fetched
@@ -104,7 +122,7 @@ def test_a_damaged_blob_is_refused_reencoded_and_the_answer_is_unchanged(bundled
 @pytest.mark.model
 def test_check_reports_and_drops_a_corrupt_blob(bundled_engine, store):
     records = [store.add(text, tenant="alice") for text in FACTS[:2]]
-    bundled_engine.warm(records)
+    bundled_engine.warm(records, lead_fragments=False)
     [key] = blob_keys(store, records[0])
     store.tier.set(key, _flip_a_bit(store.tier.get(key)))
     report = store.check()
@@ -121,13 +139,13 @@ def test_another_model_finds_old_fragments_stale_and_reencodes(bundled_engine, s
     bundled_engine.warm(records)
     other = KVShiftEngine(tiny_model(TINY_CONFIGS["llama"]()), tokenizer)
     assert other.fingerprint != bundled_engine.fingerprint
-    assert store.stats(model_fingerprint=other.fingerprint)["stale_fragments"] == 4
+    assert store.stats(model_fingerprint=other.fingerprint)["stale_fragments"] == 8  # lead and ordinary
 
     answer = other.generate(QUESTION, records, max_new_tokens=8)
     assert (answer.stats.fragments_loaded, answer.stats.fragments_missed) == (0, 4)
     fresh = KVShiftEngine(tiny_model(TINY_CONFIGS["llama"]()), tokenizer).generate(QUESTION, FACTS, max_new_tokens=8)
     assert answer.token_ids == fresh.token_ids
-    assert store.stats(model_fingerprint=other.fingerprint)["stale_fragments"] == 4  # the old model's, unused
+    assert store.stats(model_fingerprint=other.fingerprint)["stale_fragments"] == 8  # the old model's, unused
 
     # even forced under the new model's key, an old blob is refused (fingerprint and shapes differ)
     for record in records:
@@ -140,7 +158,7 @@ def test_another_model_finds_old_fragments_stale_and_reencodes(bundled_engine, s
     assert forced.stats.fragments_rejected == 4 and forced.token_ids == fresh.token_ids
 
     freed = store.gc(keep_model_fingerprint=other.fingerprint)
-    assert freed.freed_fragments == 4
+    assert freed.freed_fragments == 8  # the old model's lead and ordinary fragments
     assert store.stats(model_fingerprint=other.fingerprint)["stale_fragments"] == 0
 
 

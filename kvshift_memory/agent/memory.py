@@ -420,7 +420,8 @@ class AgentMemory:
         return [{"role": "system", "content": self.settings.system_prompt}]
 
     def _warm(self, records: Sequence[Any]) -> None:
-        self.engine.warm(list(records), self._system_messages() or None)
+        # recalled memories go into user messages, never where a lead fragment is read
+        self.engine.warm(list(records), self._system_messages() or None, lead_fragments=False)
 
     def _visible(self, turns: Sequence[_Turn]) -> set[tuple[str, int]]:
         """(id, version) of the memories whose text the window already shows."""

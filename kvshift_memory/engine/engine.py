@@ -52,7 +52,8 @@ class EngineSettings:
 
     :param system_prompt: used when the messages bring no system message of their own.
     :param memory_header: the line that introduces the memories inside the system message.
-    :param recompute_ratio: share of fragment tokens the blend recomputes by default; chosen from
+    :param recompute_ratio: share of the shifted fragment tokens (all but a lead fragment's, see
+        ``lead_fragments``) the blend recomputes by default; chosen from
         ``benchmarks/fidelity.py`` and ``benchmarks/ttft.py`` (see the README).
     :param min_recompute_tokens: the blend recomputes at least this many fragment tokens (all of
         them when there are fewer): for a few short memories the repair costs less than it risks.
@@ -66,6 +67,12 @@ class EngineSettings:
         much closer to what full recompute computes (``benchmarks/fidelity.py`` measures it). The
         default is a made-up chat in the format the agent stores memories in; ``""`` encodes
         after the prefix alone.
+    :param lead_fragments: the memory that opens the system message's memory block follows the
+        shared prefix and nothing else, so its K/V can be exact (up to a store's codec): it is read from a second fragment,
+        encoded right after the prefix (its *lead* fragment), instead of being shifted and repaired
+        like the others, and the blend's recompute budget goes to the others. :meth:`KVShiftEngine.warm`
+        then encodes two fragments per memory (its ``lead_fragments`` argument says whether the
+        memories will be placed there). Measured in ``benchmarks/fidelity.py`` (see the README).
     :param prefix_cache_bytes: bound on the K/V of earlier prompts kept for exact prefix reuse.
     :param fragment_cache_bytes: bound on the encoded memory fragments kept in this process.
     :param keep_freed_memory: on Linux with glibc, keep freed blocks of up to 32 MiB (and up to
@@ -84,6 +91,7 @@ class EngineSettings:
     min_recompute_tokens: int = 64
     recompute_window: int = 512
     encode_context: str = field(default_factory=builtin_encode_context)
+    lead_fragments: bool = True
     prefix_cache_bytes: int = 1 << 30
     fragment_cache_bytes: int = 1 << 30
     keep_freed_memory: bool = True
@@ -97,7 +105,7 @@ class EngineSettings:
         inputs.check_positive_int(self.recompute_window, "recompute_window")
         for name in ("min_recompute_tokens", "prefix_cache_bytes", "fragment_cache_bytes"):
             inputs.check_non_negative_int(getattr(self, name), name)
-        for name in ("keep_freed_memory", "pack_weights"):
+        for name in ("lead_fragments", "keep_freed_memory", "pack_weights"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidInputError(f"{name} must be True or False, not {getattr(self, name)!r}")
 
@@ -276,8 +284,8 @@ class KVShiftEngine:
             fragment along (and a fragment encoded here is stored for them).
         :param reuse: ``"none"``, ``"prefix"``, ``"blend"`` or ``None`` (blend with memories,
             prefix without).
-        :param recompute_ratio: share of fragment tokens the blend recomputes (default
-            ``settings.recompute_ratio``).
+        :param recompute_ratio: share of the shifted fragment tokens the blend recomputes
+            (default ``settings.recompute_ratio``).
         :param temperature: 0 for greedy decoding, else sampling with ``top_p``/``top_k``/``seed``.
         :param stop: strings that end the answer (not included in it).
         :param stream: return a :class:`GenerationStream` of text pieces instead of waiting.
@@ -347,6 +355,7 @@ class KVShiftEngine:
         messages: Sequence[dict[str, str]] | str | None = None,
         *,
         fragments_after: str | None = None,
+        lead_fragments: bool | None = None,
     ) -> int:
         """Encode the memories' fragments now, ahead of any question, and cache the shared prefix.
 
@@ -356,15 +365,21 @@ class KVShiftEngine:
         the ``fragments_after`` that :meth:`generate` will be given.
         Does nothing for models whose positions cannot be shifted.
 
-        :returns: how many fragments were encoded (those already cached are skipped).
+        :param lead_fragments: also encode each memory's lead fragment (see
+            :attr:`EngineSettings.lead_fragments`), read when it opens the system message's memory
+            block; default: the setting. Pass ``False`` when the memories will only be placed in
+            user messages (as the agent and the framework adapters place them), where it is never read.
+        :returns: how many of the memories had a fragment encoded (those already cached are skipped).
         :raises InvalidInputError: bad messages or memories.
         """
         if messages is None:
             messages = [{"role": "user", "content": "?"}]  # only the system message matters here
+        if lead_fragments is not None and not isinstance(lead_fragments, bool):
+            raise InvalidInputError(f"lead_fragments must be True, False or None, not {lead_fragments!r}")
         layout, mode, _, _, _ = self._plan(messages, memories, "blend", 0.0, 1, fragments_after)
         if mode != "blend" or not layout.fragments:
             return 0
-        return self._warm(layout)
+        return self._warm(layout, self.settings.lead_fragments if lead_fragments is None else lead_fragments)
 
     def clear_cache(self, *, prefixes: bool = True, fragments: bool = True) -> None:
         """Forget cached prompt prefixes and/or fragments (measurements start cold with this)."""
@@ -477,12 +492,12 @@ class KVShiftEngine:
         return cache
 
     @torch.inference_mode()
-    def _encode_fragments(self, layout: PromptLayout, spans: list[FragmentSpan]) -> list[Fragment]:
-        """Encode each span after the layout's prefix and the encode context."""
-        conditioning = torch.cat([layout.conditioning, self._encode_context_ids])
+    def _encode_fragments(self, layout: PromptLayout, spans: list[FragmentSpan], lead: bool = False) -> list[Fragment]:
+        """Encode each span after the layout's prefix and the encode context (after the prefix alone when ``lead``)."""
+        conditioning = self._encoded_after(layout, lead)
         start = conditioning.numel()
         scratch = self._prefilled(conditioning, max(len(s.token_ids) for s in spans))
-        context_digest = self._context_digest(layout)
+        context_digest = digest_ids(conditioning.tolist())
         fragments = []
         for span in spans:
             end = start + len(span.token_ids)
@@ -499,13 +514,16 @@ class KVShiftEngine:
             )
         return fragments
 
-    def _fetch_fragments(self, layout: PromptLayout, spans: list[FragmentSpan]) -> tuple[list[Fragment], list[str]]:
-        """Fragments for ``spans``: from this process's pool, else from the memory's store, else encoded now.
+    def _fetch_fragments(
+        self, layout: PromptLayout, spans: list[FragmentSpan], lead: bool = False
+    ) -> tuple[list[Fragment], list[str]]:
+        """Fragments for ``spans`` (their lead fragments when ``lead``): from this process's pool,
+        else from the memory's store, else encoded now.
 
         :returns: the fragments, and where each came from: ``"pool"``, ``"store"``, ``"encoded"``
             or ``"re-encoded"`` (its stored blob was refused).
         """
-        context_digest = self._context_digest(layout)
+        context_digest = self._context_digest(layout, lead)
         keys = [(context_digest, digest_ids(span.token_ids)) for span in spans]
         found: list[Fragment | None] = []
         origins: list[str] = []
@@ -521,7 +539,7 @@ class KVShiftEngine:
             origins.append(origin)
         missing = [i for i, fragment in enumerate(found) if fragment is None]
         if missing:
-            encoded = self._encode_fragments(layout, [spans[i] for i in missing])
+            encoded = self._encode_fragments(layout, [spans[i] for i in missing], lead)
             for i, fragment in zip(missing, encoded):
                 found[i] = fragment
                 self._fragments.put(keys[i], fragment)
@@ -716,23 +734,30 @@ class KVShiftEngine:
 
         first = new_spans[0].start
         self._prefill_exact(cache, ids, reused, first, logits="none")
+        lead = new_spans[:1] if self._reads_lead(layout, new_spans[0]) else []
+        shifted_spans = new_spans[len(lead) :]
         # The cost model may find a short stored fragment cheaper to recompute than to fetch.
-        inline = [span for span in new_spans if self._recompute_instead(layout, span)]
-        fetched = [span for span in new_spans if span not in inline]
+        inline = [span for span in shifted_spans if self._recompute_instead(layout, span)]
+        fetched = [span for span in shifted_spans if span not in inline]
         origins = dict.fromkeys(map(id, inline), "recomputed")
-        if fetched:
-            fragments, fetched_origins = self._fetch_fragments(layout, fetched)
-            self._place(cache, fetched, fragments)
-            origins.update(zip(map(id, fetched), fetched_origins))
+        placed, fragments = [], []
+        for spans, is_lead in ((lead, True), (fetched, False)):
+            if spans:
+                found, found_origins = self._fetch_fragments(layout, spans, lead=is_lead)
+                placed += spans
+                fragments += found
+                origins.update(zip(map(id, spans), found_origins))
+        if placed:
+            self._place(cache, placed, fragments)
         for span in inline:  # its K/V is computed in the pass below; the selection pass must read no garbage
             for layer in range(self.num_layers):
                 keys, values = cache.buffer(layer)
                 keys[..., span.start : span.end, :].zero_()
                 values[..., span.start : span.end, :].zero_()
-        exact_until = min(exact_until, first)
+        exact_until = min(exact_until, first)  # not past a lead fragment: one from a store went through its codec
         tail = layout.tail_start
         candidates = [torch.arange(s.start, s.end) for s in fetched]
-        total = sum(s.end - s.start for s in new_spans)
+        total = sum(s.end - s.start for s in shifted_spans)
         count = round(ratio * total)
         if ratio > 0:
             count = max(count, min(total, self.settings.min_recompute_tokens))
@@ -791,16 +816,57 @@ class KVShiftEngine:
             return False
         return self._fragments.get((self._context_digest(layout), digest_ids(span.token_ids))) is None
 
-    def _context_digest(self, layout: PromptLayout) -> str:
-        """The digest of what the layout's fragments are encoded after (conditioning + encode context)."""
-        return digest_ids(layout.conditioning.tolist() + self._encode_context_ids.tolist())
+    def _encoded_after(self, layout: PromptLayout, lead: bool = False) -> torch.Tensor:
+        """What the layout's fragments are encoded after: the conditioning, then the encode context
+        unless ``lead``."""
+        return layout.conditioning if lead else torch.cat([layout.conditioning, self._encode_context_ids])
 
-    def _warm(self, layout: PromptLayout) -> int:
-        _, origins = self._fetch_fragments(layout, list(layout.fragments))
-        encoded = sum(origin not in ("pool", "store") for origin in origins)
-        if not encoded:  # nothing was encoded, so the shared prefix may not be cached yet
+    def _context_digest(self, layout: PromptLayout, lead: bool = False) -> str:
+        """The digest of :meth:`_encoded_after`."""
+        return digest_ids(self._encoded_after(layout, lead).tolist())
+
+    def _lead_possible(self, layout: PromptLayout) -> bool:
+        """Whether a memory opening the layout's memory block can have a lead fragment.
+
+        It can when the prompt starts with the conditioning (the memories are in its system
+        message, and no fixed ``fragments_after`` replaced it) and the lead fragment differs from
+        the ordinary one (a non-empty encode context).
+        """
+        conditioning = layout.conditioning
+        return (
+            self.settings.lead_fragments
+            and self._encode_context_ids.numel() > 0
+            and torch.equal(layout.token_ids[: conditioning.numel()], conditioning)
+        )
+
+    def _reads_lead(self, layout: PromptLayout, span: FragmentSpan) -> bool:
+        """Whether ``span`` is read from its lead fragment rather than shifted.
+
+        It is when it opens the memory block right after the conditioning and its lead fragment is
+        cached, or when neither fragment is (it has to be encoded now: better as it reads here).
+        With only its ordinary fragment cached it is shifted: no encoding at question time.
+        """
+        if span.start != layout.conditioning.numel() or not self._lead_possible(layout):
+            return False
+        return self._fragment_available(layout, span, lead=True) or not self._fragment_available(layout, span)
+
+    def _fragment_available(self, layout: PromptLayout, span: FragmentSpan, lead: bool = False) -> bool:
+        """Whether the span's fragment is in this process's pool or in its memory's store (loads nothing)."""
+        context_digest = self._context_digest(layout, lead)
+        if self._fragments.get((context_digest, digest_ids(span.token_ids))) is not None:
+            return True
+        return getattr(span.record, "fragment_source", None) is not None and self._known_stored(span, context_digest)
+
+    def _warm(self, layout: PromptLayout, lead_fragments: bool) -> int:
+        spans = list(layout.fragments)
+        _, origins = self._fetch_fragments(layout, spans)
+        encoded = [origin not in ("pool", "store") for origin in origins]
+        if lead_fragments and self._lead_possible(layout):
+            _, lead_origins = self._fetch_fragments(layout, spans, lead=True)
+            encoded = [a or origin not in ("pool", "store") for a, origin in zip(encoded, lead_origins)]
+        if not any(encoded):  # nothing was encoded, so the shared prefix may not be cached yet
             self._prefilled(layout.conditioning, 0)
-        return encoded
+        return sum(encoded)
 
     # ------------------------------------------------------------------ decoding and scoring
 

@@ -262,4 +262,6 @@ class KVShiftMemory(BaseMemory):
             return
         turn.archived = record
         # encoded now, after the reply: the turn that recalls it later reads it for free
-        self.engine.warm([record], fragments_after=self.fragments_after or self.engine.settings.system_prompt)
+        self.engine.warm(
+            [record], fragments_after=self.fragments_after or self.engine.settings.system_prompt, lead_fragments=False
+        )
