@@ -59,7 +59,13 @@ def _chunks(slots: torch.Tensor, step: ForwardStep | None) -> list[tuple[int, in
     bounds, start = [], 0
     values = slots.tolist()
     for index in range(1, len(values) + 1):
-        if index == len(values) or index - start == _QUERY_CHUNK or values[index] - values[start] > span_limit:
+        if (
+            index == len(values)
+            or index - start == _QUERY_CHUNK
+            or values[index] - values[start] > span_limit
+            # queries from ``local_before`` on see every key: a windowed query in their chunk would too
+            or values[index - 1] < step.local_before <= values[index]
+        ):
             bounds.append((start, index))
             start = index
     return bounds
