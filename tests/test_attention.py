@@ -78,7 +78,7 @@ def test_chunk_plans_are_shared_by_layers_but_not_across_windows():
     again = _run(query, key, value, step)
     windowed = _run(query, key, value, step, sliding_window=20)
     assert torch.equal(first, again)
-    assert {window for _, window, _ in step.plans} == {None, 20}
+    assert {key[1] for key in step.plans} == {None, 20}
     torch.testing.assert_close(windowed, _reference(query, key, value, slots, step, sliding_window=20), rtol=1e-5, atol=1e-5)
 
 
@@ -104,3 +104,23 @@ def test_capture_records_the_last_queries_mass(softcap):
     # each of the last 4 queries spreads probability 1 per head over its keys
     assert mass.sum().item() == pytest.approx(4 * HEADS, rel=1e-5)
     assert mass[-3:].gt(0).all() and mass[: n - 30].gt(0).any()
+
+
+@pytest.mark.parametrize("softcap", [None, 5.0])
+def test_capture_with_windowed_leading_queries(softcap):
+    """The blend's selection pass: the question's earlier tokens read the anchor and a window, the
+    ranking ones (whose attention is recorded) read everything."""
+    n, start, ranked = 200, 150, 4
+    slots = torch.arange(start, n)
+    capture: list[torch.Tensor] = []
+    step = ForwardStep(
+        slots, key_length=n, capture=capture, capture_queries=ranked, local_window=24, local_before=n - ranked, anchor=6
+    )
+    query, key, value = _tensors(slots.numel(), n, 8)
+    got = _run(query, key, value, step, softcap=softcap)
+    torch.testing.assert_close(got, _reference(query, key, value, slots, step, softcap=softcap), rtol=1e-5, atol=1e-5)
+    unwindowed = _reference(query, key, value, slots, None, softcap=softcap)
+    assert not torch.allclose(got[:, : n - start - ranked], unwindowed[:, : n - start - ranked], atol=1e-3)
+    (mass,) = capture
+    assert mass.sum().item() == pytest.approx(ranked * HEADS, rel=1e-5)
+    assert mass[6:100].gt(0).all(), "the ranking queries see keys outside the window"

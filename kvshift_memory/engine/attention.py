@@ -102,7 +102,11 @@ def _explicit_attention(query, key, value, visible, scaling, softcap, capture, c
 
 @dataclass(frozen=True)
 class _Chunk:
-    """One SDPA call: queries ``[start, end)`` of the step over the keys in ``ranges`` (slot ranges)."""
+    """One SDPA call: queries ``[start, end)`` of the step over the keys in ``ranges`` (slot ranges).
+
+    ``mask`` is additive (0 or -inf, in the queries' dtype): SDPA would turn a boolean one into
+    that on every call, that is once per chunk per layer.
+    """
 
     start: int
     end: int
@@ -110,10 +114,10 @@ class _Chunk:
     mask: torch.Tensor | None
 
 
-def _plan(slots: torch.Tensor, window: int | None, step: ForwardStep | None) -> list[_Chunk]:
+def _plan(slots: torch.Tensor, window: int | None, step: ForwardStep | None, dtype: torch.dtype) -> list[_Chunk]:
     """The chunks of a pass; every layer of one attention kind shares them, so they are built once."""
     plans = step.plans if step is not None else {}
-    key = ("chunks", window, slots.numel())  # the capture pass plans only its leading queries here
+    key = ("chunks", window, slots.numel(), dtype)  # the capture pass plans only its leading queries here
     if key in plans:
         return plans[key]
     chunks = []
@@ -126,9 +130,10 @@ def _plan(slots: torch.Tensor, window: int | None, step: ForwardStep | None) -> 
         else:  # the anchor slots, then a local range
             split = int((key_slots[1:] - key_slots[:-1] > 1).nonzero()[0]) + 1
             ranges = ((lo, int(key_slots[split - 1]) + 1), (int(key_slots[split]), hi))
-        mask = _visible(chunk, key_slots, window, step)
-        if chunk.numel() == 1 and bool(mask.all()):
-            mask = None  # a decoding step: the one query sees every key given
+        visible = _visible(chunk, key_slots.to(chunk.device), window, step)
+        mask = None
+        if not (chunk.numel() == 1 and bool(visible.all())):  # else a decoding step: the one query sees every key given
+            mask = torch.zeros(visible.shape, dtype=dtype, device=chunk.device).masked_fill_(~visible, float("-inf"))
         chunks.append(_Chunk(start, end, ranges, mask))
     plans[key] = chunks
     return chunks
@@ -140,7 +145,7 @@ def _sdpa_attention(query, key, value, slots, window, step, scaling):
     if window is None and q_len == key_length and (step is None or step.contiguous):
         return F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling, enable_gqa=True)
     outs = []
-    for chunk in _plan(slots, window, step):
+    for chunk in _plan(slots, window, step, query.dtype):
         if len(chunk.ranges) == 1:
             (lo, hi), = chunk.ranges
             chunk_keys, chunk_values = key[:, :, lo:hi], value[:, :, lo:hi]

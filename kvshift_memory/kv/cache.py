@@ -37,7 +37,8 @@ class ForwardStep:
     :param local_window: queries at slots below ``local_before`` see only the ``local_window`` slots
         up to their own, plus the anchor slots ``[0, anchor)`` (the shared prefix). The blend's
         recompute pass uses it: a fragment token's stale K/V is mostly mended by its neighbourhood,
-        and attending to the whole context would cost more than the rest of the pass.
+        and attending to the whole context would cost more than the rest of the pass. Its
+        selection pass too, for the question tokens before the ranking ones.
     """
 
     slots: torch.Tensor
