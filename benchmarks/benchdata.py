@@ -106,6 +106,27 @@ def build_instances(count: int, count_tokens, seed: int = 0) -> list[Instance]:
     return instances
 
 
+def conversation_context(instance: Instance, count_tokens, budget: int, seed: int = 0) -> str:
+    """Text from ``instance``'s own conversation that is none of its memories: its fragments in
+    conversation order (the earliest first), as many as fit in ``budget`` tokens.
+
+    What an application would encode a user's memories after: that user's earlier history.
+    """
+    conversation = {c["sample_id"]: c["conversation"] for c in json.loads((locomo_dir() / "locomo10.json").read_text())}[
+        instance.sample_id
+    ]
+    texts, size = [], 0
+    for text, _ in _chunks(conversation, count_tokens, random.Random(f"{seed}:{instance.sample_id}")):
+        if text in instance.memories:
+            continue
+        tokens = count_tokens(text)
+        if size + tokens > budget:
+            break
+        texts.append(text)
+        size += tokens
+    return "\n\n".join(texts)
+
+
 def memorybank_instances(count: int, count_tokens, kind: str = "exchanges", seed: int = 0) -> list[Instance]:
     """``count`` instances from MemoryBank: a probing question and 8-12 (exchanges) or 12-20 (facts)
     memories of the same user, in a seeded random order. ``answer`` is empty (no gold answers)."""

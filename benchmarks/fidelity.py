@@ -11,9 +11,12 @@ full recompute (``reuse="none"``) is the reference. Every condition is scored on
 
 Conditions: ``reorder`` (full recompute with the memories shuffled: how much merely reordering
 perturbs the answer, the bar reuse must meet), ``shift`` (fragments placed, nothing recomputed),
-``blend@r`` for each recompute ratio, and two ablations of the default blend: ``no encode context``
-(fragments encoded after the prefix alone) and ``no lead fragment`` (the first memory shifted and
-repaired like the others instead of read from its lead fragment).
+``blend@r`` for each recompute ratio, and three variants of the default blend: ``no encode context``
+(fragments encoded after the prefix alone), ``no lead fragment`` (the first memory shifted and
+repaired like the others instead of read from its lead fragment) and ``own-conversation context``
+(LoCoMo only: fragments encoded after text from the instance's own conversation that is none of
+its memories, as much as the built-in context's length, given as ``encode_context``; the JSON
+counts the instances whose context holds the gold answer).
 
     python benchmarks/fidelity.py                      # 40 LoCoMo instances, ~1 h on 2 cores
     python benchmarks/fidelity.py --robustness         # + MemoryBank exchanges and short facts (KL only)
@@ -36,7 +39,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchdata import build_instances, memorybank_instances  # noqa: E402
+from benchdata import build_instances, conversation_context, memorybank_instances  # noqa: E402
 
 from kvshift_memory import KVShiftEngine  # noqa: E402
 
@@ -67,9 +70,13 @@ def context_names(engine: KVShiftEngine) -> set[str]:
     return speakers | (capitalised - openers)
 
 
-def run_dataset(engine, ablations, instances, ratios, default_ratio, generate, max_new_tokens, seed):
+OWN_CONTEXT = "own-conversation context"
+
+
+def run_dataset(engine, ablations, instances, ratios, default_ratio, generate, max_new_tokens, seed, own_context=False):
     default = f"blend@{default_ratio:g}"
     ratios = sorted(set(ratios) | {default_ratio})
+    ablations = dict(ablations, **({OWN_CONTEXT: engine} if own_context else {}))
     conditions = ["reorder", "shift"] + [f"blend@{r:g}" for r in ratios] + [f"blend@default, {a}" for a in ablations]
     # Answers are generated (exact match, contains-answer) for the conditions a user meets and for
     # every ratio the fidelity bar allows (at most 15 %: candidates for the default); the others
@@ -81,6 +88,8 @@ def run_dataset(engine, ablations, instances, ratios, default_ratio, generate, m
     leaks: list[dict] = []
     names = context_names(engine)
     eos = sorted(engine.eos_token_ids)[0]
+    budget = engine.count_tokens(engine.settings.encode_context)
+    contexts_with_answer = 0
     for index, instance in enumerate(instances):
         messages = [{"role": "user", "content": instance.question}]
         memories = list(instance.memories)
@@ -94,7 +103,10 @@ def run_dataset(engine, ablations, instances, ratios, default_ratio, generate, m
         full = engine.score(messages, memories, answer_ids, reuse="none", return_distributions=True).distributions
         shuffled = list(memories)
         random.Random(f"{seed}:{index}").shuffle(shuffled)
+        own_text = conversation_context(instance, engine.count_tokens, budget, seed) if own_context else None
+        contexts_with_answer += bool(own_text) and instance.answer.lower() in own_text.lower()
         for name in conditions:
+            context = own_text if name == f"blend@default, {OWN_CONTEXT}" else None
             if name == "reorder":
                 run_engine, run_memories, reuse, ratio = engine, shuffled, "none", None
             elif name == "shift":
@@ -104,16 +116,20 @@ def run_dataset(engine, ablations, instances, ratios, default_ratio, generate, m
             else:
                 run_engine, run_memories, reuse, ratio = engine, memories, "blend", float(name.split("@")[1])
             run_engine.clear_cache(fragments=False)  # no prompt may be reused from another condition
-            scored = run_engine.score(messages, run_memories, answer_ids, reuse=reuse, recompute_ratio=ratio, return_distributions=True)
+            scored = run_engine.score(
+                messages, run_memories, answer_ids, reuse=reuse, recompute_ratio=ratio, return_distributions=True, encode_context=context
+            )
             kl, top1 = kl_and_top1(full, scored.distributions)
             row = {"kl": kl, "top1": top1, "recomputed": scored.stats.recomputed_tokens}
             if name in generated:
                 run_engine.clear_cache(fragments=False)
-                own = run_engine.generate(messages, run_memories, reuse=reuse, recompute_ratio=ratio, max_new_tokens=max_new_tokens)
+                own = run_engine.generate(
+                    messages, run_memories, reuse=reuse, recompute_ratio=ratio, max_new_tokens=max_new_tokens, encode_context=context
+                )
                 row["exact"] = own.token_ids == reference.token_ids
                 accuracy[name].append(contains(instance.answer, own.text))
                 row.update(answer=own.text, contains=accuracy[name][-1])
-                if run_engine is not ablations["no encode context"] and reuse == "blend":  # these read fragments encoded after it
+                if run_engine is not ablations["no encode context"] and reuse == "blend" and context is None:  # these read fragments encoded after it
                     leaked = {n for n in names if n in own.text and n not in reference.text and all(n not in m for m in memories)}
                     if leaked:
                         leaks.append({"instance": index, "condition": name, "words": sorted(leaked), "answer": own.text})
@@ -140,12 +156,14 @@ def run_dataset(engine, ablations, instances, ratios, default_ratio, generate, m
         summary["none"] = {"mean_kl": 0.0, "top1": 1.0, "recomputed_share": 0.0, "exact_match": 1.0,
                            "contains_answer": statistics.fmean(accuracy["none"]) if accuracy["none"] else None}
         summary["_encode_context_leaks"] = leaks
+    if own_context:
+        summary["_own_contexts_holding_the_answer"] = contexts_with_answer
     return summary, rows
 
 
 def print_table(title: str, summary: dict) -> None:
     print(f"\n{title}")
-    header = f"{'condition':<36} {'mean KL':>8} {'top-1':>6} {'exact':>6} {'contains':>8} {'recomputed':>10}"
+    header = f"{'condition':<42} {'mean KL':>8} {'top-1':>6} {'exact':>6} {'contains':>8} {'recomputed':>10}"
     print(header)
     print("-" * len(header))
     for name, s in summary.items():
@@ -153,7 +171,7 @@ def print_table(title: str, summary: dict) -> None:
             continue
         exact = f"{s['exact_match']:.2f}" if "exact_match" in s else "-"
         acc = f"{s['contains_answer']:.2f}" if s.get("contains_answer") is not None else "-"
-        print(f"{name:<36} {s['mean_kl']:>8.4f} {s['top1']:>6.3f} {exact:>6} {acc:>8} {s['recomputed_share']:>9.1%}")
+        print(f"{name:<42} {s['mean_kl']:>8.4f} {s['top1']:>6.3f} {exact:>6} {acc:>8} {s['recomputed_share']:>9.1%}")
 
 
 def main() -> None:
@@ -164,6 +182,7 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--robustness", action="store_true", help="also MemoryBank exchanges and facts (no generation)")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--no-own-context", action="store_true", help="leave out the own-conversation context row")
     parser.add_argument("--output", type=Path, default=RESULTS / "fidelity.json")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -192,11 +211,16 @@ def main() -> None:
     }
     for name, (instances, generate) in datasets.items():
         print(f"{name}: {len(instances)} instances", flush=True)
-        summary, rows = run_dataset(engine, ablations, instances, ratios, default_ratio, generate, args.max_new_tokens, args.seed)
+        own_context = name == "locomo" and not args.no_own_context
+        summary, rows = run_dataset(
+            engine, ablations, instances, ratios, default_ratio, generate, args.max_new_tokens, args.seed, own_context
+        )
         report["datasets"][name] = {"instances": len(instances), "summary": summary, "per_instance": rows}
         print_table(f"{name} ({len(instances)} instances, seed {args.seed})", summary)
         if generate:
             print(f"answers naming something from the encode context the prompt lacks: {len(summary['_encode_context_leaks'])}")
+        if "_own_contexts_holding_the_answer" in summary:
+            print(f"own-conversation contexts holding the gold answer: {summary['_own_contexts_holding_the_answer']}")
     report["elapsed_s"] = time.time() - started
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(report, indent=1))

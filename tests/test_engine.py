@@ -13,7 +13,7 @@ from conftest import TINY_CONFIGS, VOCAB, tiny_model
 
 from kvshift_memory import GenerationResult, GenerationStream, KVShiftEngine, ScoreResult
 from kvshift_memory.engine.prompt import TokenMemo, common_prefix
-from kvshift_memory.exceptions import InvalidInputError
+from kvshift_memory.exceptions import ContextOverflowError, InvalidInputError
 
 MEMORIES = [
     "Budget for the Lisbon trip: 50k euros.",
@@ -385,6 +385,56 @@ def test_fragments_encoded_after_a_fixed_system_message_serve_any_system_message
         assert fixed_stats.fragments_hit == len(MEMORIES) and fixed_stats.fragments_missed == 0
     with pytest.raises(InvalidInputError):
         tiny_engine.generate("q", MEMORIES, fragments_after="  ")
+
+
+def test_encode_context_per_call_keys_the_fragments(tiny_engine):
+    tiny_engine.clear_cache()
+    own = "Alice: I booked the flights to Lisbon.\nBob: Great, and the hotel?"
+    assert tiny_engine.warm(MEMORIES, "q", encode_context=own) == len(MEMORIES)
+    hit = tiny_engine.generate("q", MEMORIES, max_new_tokens=1, encode_context=own).stats
+    assert hit.fragments_hit == len(MEMORIES) and hit.encoded_tokens == 0
+    tiny_engine.clear_cache(fragments=False)
+    default = tiny_engine.generate("q", MEMORIES, max_new_tokens=1).stats  # settings.encode_context: not warmed
+    assert default.fragments_missed == len(MEMORIES) - 1 and default.fragments_hit == 1  # the lead one is shared
+    shifted = {}
+    for name, context in (("own", own), ("default", None)):
+        tiny_engine.clear_cache(fragments=False)
+        shifted[name] = tiny_engine.score("q", MEMORIES, "Lisbon", reuse="blend", recompute_ratio=0.0, encode_context=context)
+    assert shifted["own"].logprobs != shifted["default"].logprobs  # the context shapes the shifted K/V
+    full = tiny_engine.score("q", MEMORIES, "Lisbon", reuse="none").logprobs
+    exact = tiny_engine.score("q", MEMORIES, "Lisbon", reuse="blend", recompute_ratio=1.0, encode_context=own).logprobs
+    assert exact == pytest.approx(full, abs=1e-4)
+    # an empty context: fragments follow the system message alone, so no lead fragment is needed
+    tiny_engine.clear_cache()
+    assert tiny_engine.warm(MEMORIES, "q", encode_context="") == len(MEMORIES)
+    assert len(tiny_engine._fragments) == len(MEMORIES)
+
+
+@pytest.mark.parametrize("bad", [5, b"bytes", ["list"], "\ud800", "x" * 3_000_000])
+def test_bad_encode_context_is_refused_before_anything_changes(tiny_engine, bad):
+    tiny_engine.clear_cache()
+    for call in (
+        lambda: tiny_engine.warm(MEMORIES, "q", encode_context=bad),
+        lambda: tiny_engine.generate("q", MEMORIES, max_new_tokens=1, encode_context=bad),
+        lambda: tiny_engine.score("q", MEMORIES, "x", encode_context=bad),
+    ):
+        with pytest.raises(InvalidInputError, match="encode_context"):
+            call()
+    assert len(tiny_engine._fragments) == 0 and len(tiny_engine._prefixes) == 0
+
+
+def test_encode_context_too_long_for_the_window(tiny_engine):
+    tiny_engine.clear_cache()
+    long_context = "memory " * (tiny_engine.max_positions - 20)
+    with pytest.raises(ContextOverflowError, match="encode context"):
+        tiny_engine.warm(MEMORIES, "q", encode_context=long_context)
+    assert len(tiny_engine._fragments) == 0
+    # a question is answered all the same, by exact prefix reuse, and says why
+    result = tiny_engine.generate("q", MEMORIES, reuse="blend", max_new_tokens=3, encode_context=long_context)
+    assert result.stats.reuse == "prefix" and "encode context" in result.stats.fallback_reason
+    tiny_engine.clear_cache()
+    assert result.token_ids == tiny_engine.generate("q", MEMORIES, reuse="none", max_new_tokens=3).token_ids
+    assert len(tiny_engine._fragments) == 0
 
 
 def test_generation_does_not_mutate_cached_fragments(tiny_engine):

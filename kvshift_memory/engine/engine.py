@@ -276,6 +276,7 @@ class KVShiftEngine:
         stop: str | Sequence[str] | None = None,
         stream: bool = False,
         fragments_after: str | None = None,
+        encode_context: str | None = None,
     ) -> GenerationResult | GenerationStream:
         """Answer ``messages`` with ``memories`` in the system message.
 
@@ -295,16 +296,23 @@ class KVShiftEngine:
             looked up under); default: this prompt's own. A caller whose system message changes
             every call (a chat engine that writes retrieved documents into it) passes a fixed one,
             the same it gives :meth:`warm`, so fragments encoded once keep serving.
+        :param encode_context: the text the memories' fragments are encoded after (and looked up
+            under), between the system message and the memory; default
+            ``settings.encode_context``. Text about the same people as the memories works best (a
+            sample of the user's own earlier conversation: see the README); give :meth:`warm` the
+            same, or every fragment is encoded again here.
         :returns: a :class:`GenerationResult` (text, token ids, stats, finish reason).
         :raises InvalidInputError: bad messages, memories or parameters.
         :raises ContextOverflowError: the prompt plus ``max_new_tokens`` exceeds the context window.
+            (A memory that does not fit after the system message and the encode context is not an
+            error: the call falls back to exact prefix reuse and ``stats.fallback_reason`` says so.)
         """
         started = time.perf_counter()  # TTFT counts from here: validation and tokenising are the user's wait too
         max_new_tokens = inputs.check_positive_int(max_new_tokens, "max_new_tokens")
         inputs.check_sampling(temperature, top_p, top_k, seed)
         stops = inputs.check_stop(stop)
         layout, mode, ratio, requested, fallback = self._plan(
-            messages, memories, reuse, recompute_ratio, max_new_tokens, fragments_after
+            messages, memories, reuse, recompute_ratio, max_new_tokens, fragments_after, encode_context
         )
         sampling = (float(temperature), float(top_p), int(top_k), seed)
         steps = self._generate_steps(layout, mode, ratio, requested, fallback, max_new_tokens, sampling, stops, started)
@@ -325,6 +333,7 @@ class KVShiftEngine:
         recompute_ratio: float | None = None,
         return_distributions: bool = False,
         fragments_after: str | None = None,
+        encode_context: str | None = None,
     ) -> ScoreResult:
         """Log-probabilities of ``continuation`` as the start of the assistant's answer.
 
@@ -335,6 +344,7 @@ class KVShiftEngine:
         :param continuation: text (tokenised as content) or token ids.
         :param return_distributions: also return the full log-softmax at each position.
         :param fragments_after: as in :meth:`generate`.
+        :param encode_context: as in :meth:`generate`.
         :raises InvalidInputError: bad input, or token ids outside the vocabulary.
         :raises ContextOverflowError: prompt plus continuation exceeds the context window.
         """
@@ -347,7 +357,7 @@ class KVShiftEngine:
             if max(cont_ids) >= self.vocab_size:
                 raise InvalidInputError(f"continuation holds token id {max(cont_ids)} >= vocabulary size {self.vocab_size}")
         layout, mode, ratio, requested, fallback = self._plan(
-            messages, memories, reuse, recompute_ratio, len(cont_ids), fragments_after
+            messages, memories, reuse, recompute_ratio, len(cont_ids), fragments_after, encode_context
         )
         return self._score(layout, mode, ratio, requested, fallback, cont_ids, return_distributions, started)
 
@@ -358,6 +368,7 @@ class KVShiftEngine:
         *,
         fragments_after: str | None = None,
         lead_fragments: bool | None = None,
+        encode_context: str | None = None,
     ) -> int:
         """Encode the memories' fragments now, ahead of any question, and cache the shared prefix.
 
@@ -371,14 +382,20 @@ class KVShiftEngine:
             :attr:`EngineSettings.lead_fragments`), read when it opens the system message's memory
             block; default: the setting. Pass ``False`` when the memories will only be placed in
             user messages (as the agent and the framework adapters place them), where it is never read.
+        :param encode_context: as in :meth:`generate`; pass there the same.
         :returns: how many of the memories had a fragment encoded (those already cached are skipped).
         :raises InvalidInputError: bad messages or memories.
+        :raises ContextOverflowError: the system message, encode context and a memory exceed the
+            context window.
         """
         if messages is None:
             messages = [{"role": "user", "content": "?"}]  # only the system message matters here
         if lead_fragments is not None and not isinstance(lead_fragments, bool):
             raise InvalidInputError(f"lead_fragments must be True, False or None, not {lead_fragments!r}")
-        layout, mode, _, _, _ = self._plan(messages, memories, "blend", 0.0, 1, fragments_after)
+        layout, mode, _, _, _ = self._plan(messages, memories, "blend", 0.0, 1, fragments_after, encode_context)
+        no_room = self._no_room_to_encode(layout)
+        if no_room is not None:
+            raise ContextOverflowError(no_room)
         if mode != "blend" or not layout.fragments:
             return 0
         return self._warm(layout, self.settings.lead_fragments if lead_fragments is None else lead_fragments)
@@ -398,7 +415,7 @@ class KVShiftEngine:
 
     # ------------------------------------------------------------------ planning
 
-    def _plan(self, messages, memories, reuse, recompute_ratio, extra_tokens, fragments_after=None):
+    def _plan(self, messages, memories, reuse, recompute_ratio, extra_tokens, fragments_after=None, encode_context=None):
         messages = inputs.check_messages(messages)
         texts = inputs.check_memories(memories)
         requested = inputs.check_reuse(reuse)
@@ -415,6 +432,11 @@ class KVShiftEngine:
             settings = self.settings
             conditioning = build_layout(self._tokens, fixed + question, [], settings.system_prompt, settings.memory_header).conditioning
             layout = replace(layout, conditioning=conditioning)
+        if encode_context is not None:
+            context = inputs.check_text(encode_context, "encode_context", allow_empty=True)
+            layout = replace(layout, encode_context=torch.tensor(self._tokens.encode(context), dtype=torch.long))
+        else:
+            layout = replace(layout, encode_context=self._encode_context_ids)
         records = [None if isinstance(memory, str) else memory for memory in given]
         layout = replace(layout, fragments=tuple(replace(s, record=r) for s, r in zip(layout.fragments, records)))
         for index, span in enumerate(layout.fragments):
@@ -434,7 +456,26 @@ class KVShiftEngine:
             fallback = self.position_scheme.blocks_shift(layout.length + extra_tokens)
             if fallback is not None:
                 mode = "prefix"
+        if mode == "blend":
+            no_room = self._no_room_to_encode(layout)
+            if no_room is not None:
+                mode, fallback = "prefix", f"{no_room}: exact prefix reuse"
         return layout, mode, ratio, requested or "auto", fallback
+
+    def _no_room_to_encode(self, layout: PromptLayout) -> str | None:
+        """Why the layout's longest memory cannot be encoded after its conditioning and encode
+        context within the context window, or ``None`` when it can."""
+        if not layout.fragments:
+            return None
+        before = layout.conditioning.numel() + layout.encode_context.numel()
+        longest = max(len(span.token_ids) for span in layout.fragments)
+        if before + longest <= self.max_positions:
+            return None
+        return (
+            f"a memory of {longest} tokens does not fit after the {layout.conditioning.numel()} tokens of system "
+            f"message and {layout.encode_context.numel()} of encode context it is encoded after, in the model's "
+            f"context window of {self.max_positions}"
+        )
 
     # ------------------------------------------------------------------ forward passes
 
@@ -832,7 +873,7 @@ class KVShiftEngine:
     def _encoded_after(self, layout: PromptLayout, lead: bool = False) -> torch.Tensor:
         """What the layout's fragments are encoded after: the conditioning, then the encode context
         unless ``lead``."""
-        return layout.conditioning if lead else torch.cat([layout.conditioning, self._encode_context_ids])
+        return layout.conditioning if lead else torch.cat([layout.conditioning, layout.encode_context])
 
     def _context_digest(self, layout: PromptLayout, lead: bool = False) -> str:
         """The digest of :meth:`_encoded_after`."""
@@ -848,7 +889,7 @@ class KVShiftEngine:
         conditioning = layout.conditioning
         return (
             self.settings.lead_fragments
-            and self._encode_context_ids.numel() > 0
+            and layout.encode_context.numel() > 0
             and torch.equal(layout.token_ids[: conditioning.numel()], conditioning)
         )
 

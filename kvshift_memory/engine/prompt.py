@@ -61,11 +61,14 @@ class PromptLayout:
 
     :param conditioning: the ids fragments are encoded after (the system message up to where its
         memories start); a prompt begins with ``anchor_length`` of them.
+    :param encode_context: the ids between the conditioning and each fragment when it is encoded
+        (never in the prompt itself); a lead fragment is encoded without them.
     """
 
     token_ids: torch.Tensor
     fragments: tuple[FragmentSpan, ...]
     conditioning: torch.Tensor
+    encode_context: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))
 
     @property
     def length(self) -> int:
