@@ -18,7 +18,7 @@ repaired like the others instead of read from its lead fragment) and ``own-conve
 its memories, as much as the built-in context's length, given as ``encode_context``; the JSON
 counts the instances whose context holds the gold answer).
 
-    python benchmarks/fidelity.py                      # 40 LoCoMo instances, ~1 h on 2 cores
+    python benchmarks/fidelity.py                      # 40 LoCoMo instances, ~40 min on 2 cores
     python benchmarks/fidelity.py --robustness         # + MemoryBank exchanges and short facts (KL only)
 
 Prints a table and writes ``benchmarks/results/fidelity.json``.
