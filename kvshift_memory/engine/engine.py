@@ -537,10 +537,10 @@ class KVShiftEngine:
     @torch.inference_mode()
     def _encode_fragments(self, layout: PromptLayout, spans: list[FragmentSpan], lead: bool = False) -> list[Fragment]:
         """Encode each span after the layout's prefix and the encode context (after the prefix alone when ``lead``)."""
-        conditioning = self._encoded_after(layout, lead)
+        conditioning = layout.encoded_after(lead)
         start = conditioning.numel()
         scratch = self._prefilled(conditioning, max(len(s.token_ids) for s in spans))
-        context_digest = digest_ids(conditioning.tolist())
+        context_digest = layout.context_digest(lead)
         fragments = []
         for span in spans:
             end = start + len(span.token_ids)
@@ -566,7 +566,7 @@ class KVShiftEngine:
         :returns: the fragments, and where each came from: ``"pool"``, ``"store"``, ``"encoded"``
             or ``"re-encoded"`` (its stored blob was refused).
         """
-        context_digest = self._context_digest(layout, lead)
+        context_digest = layout.context_digest(lead)
         keys = [(context_digest, digest_ids(span.token_ids)) for span in spans]
         found: list[Fragment | None] = []
         origins: list[str] = []
@@ -868,16 +868,7 @@ class KVShiftEngine:
             return False
         if not self.costs.recompute_cheaper(len(span.token_ids)):
             return False
-        return self._fragments.get((self._context_digest(layout), digest_ids(span.token_ids))) is None
-
-    def _encoded_after(self, layout: PromptLayout, lead: bool = False) -> torch.Tensor:
-        """What the layout's fragments are encoded after: the conditioning, then the encode context
-        unless ``lead``."""
-        return layout.conditioning if lead else torch.cat([layout.conditioning, layout.encode_context])
-
-    def _context_digest(self, layout: PromptLayout, lead: bool = False) -> str:
-        """The digest of :meth:`_encoded_after`."""
-        return digest_ids(self._encoded_after(layout, lead).tolist())
+        return self._fragments.get((layout.context_digest(), digest_ids(span.token_ids))) is None
 
     def _lead_possible(self, layout: PromptLayout) -> bool:
         """Whether a memory opening the layout's memory block can have a lead fragment.
@@ -906,7 +897,7 @@ class KVShiftEngine:
 
     def _fragment_available(self, layout: PromptLayout, span: FragmentSpan, lead: bool = False) -> bool:
         """Whether the span's fragment is in this process's pool or in its memory's store (loads nothing)."""
-        context_digest = self._context_digest(layout, lead)
+        context_digest = layout.context_digest(lead)
         if self._fragments.get((context_digest, digest_ids(span.token_ids))) is not None:
             return True
         return getattr(span.record, "fragment_source", None) is not None and self._known_stored(span, context_digest)

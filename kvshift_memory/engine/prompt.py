@@ -30,6 +30,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 import torch
@@ -83,6 +84,19 @@ class PromptLayout:
     def tail_start(self) -> int:
         """First slot after the last memory."""
         return self.fragments[-1].end if self.fragments else self.length
+
+    def encoded_after(self, lead: bool = False) -> torch.Tensor:
+        """What the fragments are encoded after: the conditioning, then the encode context unless ``lead``."""
+        return self.conditioning if lead else torch.cat([self.conditioning, self.encode_context])
+
+    def context_digest(self, lead: bool = False) -> str:
+        """The digest of :meth:`encoded_after`, which keys the fragments encoded after it."""
+        return self._context_digests[lead]
+
+    @cached_property
+    def _context_digests(self) -> tuple[str, str]:
+        # looked up for every memory of a prompt: hashed once per layout
+        return digest_ids(self.encoded_after().tolist()), digest_ids(self.encoded_after(lead=True).tolist())
 
 
 def common_prefix(a: torch.Tensor, b: torch.Tensor) -> int:
