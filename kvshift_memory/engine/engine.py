@@ -60,8 +60,7 @@ class EngineSettings:
     :param recompute_window: a recomputed fragment token, and a question token in the selection
         pass other than the ranking ones, attends to the shared prefix and to this many slots
         before it, not to the whole context: a quarter of the attention cost at 4k tokens, for a
-        small loss of fidelity (measured at the default ratio: mean KL 0.0258 at 512 against 0.0225
-        unwindowed, 0.0315 at 256; see the README). Not applied when every fragment token is
+        small loss of fidelity (see the README). Not applied when every fragment token is
         recomputed (``recompute_ratio=1``), which is then exact.
     :param encode_context: text a fragment is encoded after (between the shared prefix and the
         fragment, and never placed in a prompt). In a prompt a memory follows other memories, not
@@ -809,8 +808,8 @@ class KVShiftEngine:
         if count > 0:
             capture: list[torch.Tensor] = []
             # The question's earlier tokens only feed the ranking queries' context: like recomputed
-            # fragment tokens they read the prefix and a window (measured: KL 0.0258 -> 0.0263 on
-            # 16 instances, a quarter of the pass saved at 4k tokens); the ranking queries read everything.
+            # fragment tokens they read the prefix and a window (``benchmarks/fidelity.py``: KL at
+            # 10 % 0.0303 -> 0.0319, for a shorter pass); the ranking queries read everything.
             selection = ForwardStep(
                 torch.arange(tail, n),
                 n,
