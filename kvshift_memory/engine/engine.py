@@ -30,6 +30,7 @@ from .loading import load_model, model_fingerprint, resolve_dtype
 from .packing import pack_linear_layers
 from .pool import BytePool
 from .prompt import FragmentSpan, PromptLayout, TokenMemo, build_layout, common_prefix, digest_ids
+from .speakers import cast_speakers
 from .results import GenerationResult, ReuseStats, ScoreResult
 
 __all__ = ["EngineSettings", "GenerationStream", "KVShiftEngine"]
@@ -68,6 +69,10 @@ class EngineSettings:
         much closer to what full recompute computes (``benchmarks/fidelity.py`` measures it). The
         default is a made-up chat in the format the agent stores memories in; ``""`` encodes
         after the prefix alone.
+    :param match_speakers: a memory written as ``Name: words`` lines is encoded after the encode
+        context with the context's speakers renamed to its own (:mod:`~kvshift_memory.engine.speakers`;
+        names both share stay put): a chat between two made-up people, then two others, reads as
+        a transcript the answer goes on with. Measured in ``benchmarks/fidelity.py`` (see the README).
     :param lead_fragments: the memory that opens the system message's memory block follows the
         shared prefix and nothing else, so its K/V can be exact (up to a store's codec): it is read from a second fragment,
         encoded right after the prefix (its *lead* fragment), instead of being shifted and repaired
@@ -92,6 +97,7 @@ class EngineSettings:
     min_recompute_tokens: int = 64
     recompute_window: int = 512
     encode_context: str = field(default_factory=builtin_encode_context)
+    match_speakers: bool = True
     lead_fragments: bool = True
     prefix_cache_bytes: int = 1 << 30
     fragment_cache_bytes: int = 1 << 30
@@ -106,7 +112,7 @@ class EngineSettings:
         inputs.check_positive_int(self.recompute_window, "recompute_window")
         for name in ("min_recompute_tokens", "prefix_cache_bytes", "fragment_cache_bytes"):
             inputs.check_non_negative_int(getattr(self, name), name)
-        for name in ("lead_fragments", "keep_freed_memory", "pack_weights"):
+        for name in ("match_speakers", "lead_fragments", "keep_freed_memory", "pack_weights"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidInputError(f"{name} must be True or False, not {getattr(self, name)!r}")
 
@@ -213,7 +219,6 @@ class KVShiftEngine:
         self.kv_heads = int(getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
         self.head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
         self.eos_token_ids = self._eos_ids()
-        self._encode_context_ids = torch.tensor(self._tokens.encode(self.settings.encode_context), dtype=torch.long)
         self._prefixes: BytePool[_PrefixEntry] = BytePool(self.settings.prefix_cache_bytes, lambda e: e.nbytes)
         self._fragments: BytePool[Fragment] = BytePool(self.settings.fragment_cache_bytes, lambda f: f.nbytes)
         # per store, the record fragments known to be in it (weak: a closed store is forgotten)
@@ -431,13 +436,17 @@ class KVShiftEngine:
             settings = self.settings
             conditioning = build_layout(self._tokens, fixed + question, [], settings.system_prompt, settings.memory_header).conditioning
             layout = replace(layout, conditioning=conditioning)
-        if encode_context is not None:
-            context = inputs.check_text(encode_context, "encode_context", allow_empty=True)
-            layout = replace(layout, encode_context=torch.tensor(self._tokens.encode(context), dtype=torch.long))
+        if encode_context is None:
+            encode_context = self.settings.encode_context
         else:
-            layout = replace(layout, encode_context=self._encode_context_ids)
+            encode_context = inputs.check_text(encode_context, "encode_context", allow_empty=True)
         records = [None if isinstance(memory, str) else memory for memory in given]
-        layout = replace(layout, fragments=tuple(replace(s, record=r) for s, r in zip(layout.fragments, records)))
+        layout = replace(
+            layout,
+            fragments=tuple(
+                replace(s, record=r, context=self._context_ids(encode_context, s.text)) for s, r in zip(layout.fragments, records)
+            ),
+        )
         for index, span in enumerate(layout.fragments):
             if len(span.token_ids) + extra_tokens >= self.max_positions:
                 raise ContextOverflowError(
@@ -461,18 +470,23 @@ class KVShiftEngine:
                 mode, fallback = "prefix", f"{no_room}: exact prefix reuse"
         return layout, mode, ratio, requested or "auto", fallback
 
+    def _context_ids(self, encode_context: str, memory: str) -> tuple[int, ...]:
+        """The ids of the encode context ``memory``'s fragment is encoded after."""
+        if self.settings.match_speakers:
+            encode_context = cast_speakers(encode_context, memory)
+        return self._tokens.encode(encode_context)
+
     def _no_room_to_encode(self, layout: PromptLayout) -> str | None:
-        """Why the layout's longest memory cannot be encoded after its conditioning and encode
-        context within the context window, or ``None`` when it can."""
+        """Why one of the layout's memories cannot be encoded after its conditioning and encode
+        context within the context window, or ``None`` when all can."""
         if not layout.fragments:
             return None
-        before = layout.conditioning.numel() + layout.encode_context.numel()
-        longest = max(len(span.token_ids) for span in layout.fragments)
-        if before + longest <= self.max_positions:
+        tightest = max(layout.fragments, key=lambda span: len(span.context) + len(span.token_ids))
+        if layout.conditioning.numel() + len(tightest.context) + len(tightest.token_ids) <= self.max_positions:
             return None
         return (
-            f"a memory of {longest} tokens does not fit after the {layout.conditioning.numel()} tokens of system "
-            f"message and {layout.encode_context.numel()} of encode context it is encoded after, in the model's "
+            f"a memory of {len(tightest.token_ids)} tokens does not fit after the {layout.conditioning.numel()} tokens of "
+            f"system message and {len(tightest.context)} of encode context it is encoded after, in the model's "
             f"context window of {self.max_positions}"
         )
 
@@ -535,25 +549,27 @@ class KVShiftEngine:
 
     @torch.inference_mode()
     def _encode_fragments(self, layout: PromptLayout, spans: list[FragmentSpan], lead: bool = False) -> list[Fragment]:
-        """Encode each span after the layout's prefix and the encode context (after the prefix alone when ``lead``)."""
-        conditioning = layout.encoded_after(lead)
-        start = conditioning.numel()
-        scratch = self._prefilled(conditioning, max(len(s.token_ids) for s in spans))
-        context_digest = layout.context_digest(lead)
-        fragments = []
-        for span in spans:
-            end = start + len(span.token_ids)
-            self._forward(scratch, torch.tensor(span.token_ids), ForwardStep.span(start, end), logits="none")
-            kv = scratch.view(start, end)
-            fragments.append(
-                Fragment(
+        """Encode each span after the layout's prefix and its encode context (after the prefix alone when ``lead``)."""
+        by_context: dict[str, list[int]] = {}
+        for index, span in enumerate(spans):
+            by_context.setdefault(layout.context_digest(span, lead), []).append(index)
+        fragments: list[Fragment | None] = [None] * len(spans)
+        for context_digest, indices in by_context.items():
+            conditioning = layout.encoded_after(spans[indices[0]], lead)
+            start = conditioning.numel()
+            scratch = self._prefilled(conditioning, max(len(spans[i].token_ids) for i in indices))
+            for index in indices:
+                span = spans[index]
+                end = start + len(span.token_ids)
+                self._forward(scratch, torch.tensor(span.token_ids), ForwardStep.span(start, end), logits="none")
+                kv = scratch.view(start, end)
+                fragments[index] = Fragment(
                     token_ids=span.token_ids,
                     keys=tuple(k.clone() for k, _ in kv),
                     values=tuple(v.clone() for _, v in kv),
                     base_position=start,
                     context_digest=context_digest,
                 )
-            )
         return fragments
 
     def _fetch_fragments(
@@ -565,11 +581,11 @@ class KVShiftEngine:
         :returns: the fragments, and where each came from: ``"pool"``, ``"store"``, ``"encoded"``
             or ``"re-encoded"`` (its stored blob was refused).
         """
-        context_digest = layout.context_digest(lead)
-        keys = [(context_digest, digest_ids(span.token_ids)) for span in spans]
+        keys = [(layout.context_digest(span, lead), digest_ids(span.token_ids)) for span in spans]
         found: list[Fragment | None] = []
         origins: list[str] = []
         for span, key in zip(spans, keys):
+            context_digest = key[0]
             fragment, origin = self._fragments.get(key), "pool"
             if fragment is None:
                 fragment, origin = self._load_stored(span, context_digest)
@@ -867,10 +883,10 @@ class KVShiftEngine:
             return False
         if not self.costs.recompute_cheaper(len(span.token_ids)):
             return False
-        return self._fragments.get((layout.context_digest(), digest_ids(span.token_ids))) is None
+        return self._fragments.get((layout.context_digest(span), digest_ids(span.token_ids))) is None
 
-    def _lead_possible(self, layout: PromptLayout) -> bool:
-        """Whether a memory opening the layout's memory block can have a lead fragment.
+    def _lead_possible(self, layout: PromptLayout, span: FragmentSpan) -> bool:
+        """Whether ``span``, opening the layout's memory block, can have a lead fragment.
 
         It can when the prompt starts with the conditioning (the memories are in its system
         message, and no fixed ``fragments_after`` replaced it) and the lead fragment differs from
@@ -879,7 +895,7 @@ class KVShiftEngine:
         conditioning = layout.conditioning
         return (
             self.settings.lead_fragments
-            and layout.encode_context.numel() > 0
+            and bool(span.context)
             and torch.equal(layout.token_ids[: conditioning.numel()], conditioning)
         )
 
@@ -890,13 +906,13 @@ class KVShiftEngine:
         cached, or when neither fragment is (it has to be encoded now: better as it reads here).
         With only its ordinary fragment cached it is shifted: no encoding at question time.
         """
-        if span.start != layout.conditioning.numel() or not self._lead_possible(layout):
+        if span.start != layout.conditioning.numel() or not self._lead_possible(layout, span):
             return False
         return self._fragment_available(layout, span, lead=True) or not self._fragment_available(layout, span)
 
     def _fragment_available(self, layout: PromptLayout, span: FragmentSpan, lead: bool = False) -> bool:
         """Whether the span's fragment is in this process's pool or in its memory's store (loads nothing)."""
-        context_digest = layout.context_digest(lead)
+        context_digest = layout.context_digest(span, lead)
         if self._fragments.get((context_digest, digest_ids(span.token_ids))) is not None:
             return True
         return getattr(span.record, "fragment_source", None) is not None and self._known_stored(span, context_digest)
@@ -905,9 +921,11 @@ class KVShiftEngine:
         spans = list(layout.fragments)
         _, origins = self._fetch_fragments(layout, spans)
         encoded = [origin not in ("pool", "store") for origin in origins]
-        if lead_fragments and self._lead_possible(layout):
-            _, lead_origins = self._fetch_fragments(layout, spans, lead=True)
-            encoded = [a or origin not in ("pool", "store") for a, origin in zip(encoded, lead_origins)]
+        leading = [index for index, span in enumerate(spans) if lead_fragments and self._lead_possible(layout, span)]
+        if leading:
+            _, lead_origins = self._fetch_fragments(layout, [spans[i] for i in leading], lead=True)
+            for index, origin in zip(leading, lead_origins):
+                encoded[index] = encoded[index] or origin not in ("pool", "store")
         if not any(encoded):  # nothing was encoded, so the shared prefix may not be cached yet
             self._prefilled(layout.conditioning, 0)
         return sum(encoded)

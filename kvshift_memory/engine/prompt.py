@@ -30,7 +30,6 @@ import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from functools import cached_property
 from typing import Any
 
 import torch
@@ -54,6 +53,8 @@ class FragmentSpan:
     text: str
     token_ids: tuple[int, ...]
     record: Any = field(default=None, compare=False)  # the memory record it came from, when not plain text
+    #: the ids of the encode context its fragment is encoded after, between the conditioning and it
+    context: tuple[int, ...] = field(default=(), compare=False)
 
 
 @dataclass(frozen=True)
@@ -61,15 +62,15 @@ class PromptLayout:
     """A tokenised prompt: all ids, the memory spans inside it, and what fragments are encoded after.
 
     :param conditioning: the ids fragments are encoded after (the system message up to where its
-        memories start); a prompt begins with ``anchor_length`` of them.
-    :param encode_context: the ids between the conditioning and each fragment when it is encoded
-        (never in the prompt itself); a lead fragment is encoded without them.
+        memories start); a prompt begins with ``anchor_length`` of them. Between the two each span
+        has its own encode context (``FragmentSpan.context``, never in the prompt itself); a lead
+        fragment is encoded after the conditioning alone.
     """
 
     token_ids: torch.Tensor
     fragments: tuple[FragmentSpan, ...]
     conditioning: torch.Tensor
-    encode_context: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))
+    _digests: dict[tuple[int, ...], str] = field(default_factory=dict, init=False, compare=False, repr=False)
 
     @property
     def length(self) -> int:
@@ -85,18 +86,19 @@ class PromptLayout:
         """First slot after the last memory."""
         return self.fragments[-1].end if self.fragments else self.length
 
-    def encoded_after(self, lead: bool = False) -> torch.Tensor:
-        """What the fragments are encoded after: the conditioning, then the encode context unless ``lead``."""
-        return self.conditioning if lead else torch.cat([self.conditioning, self.encode_context])
+    def encoded_after(self, span: FragmentSpan, lead: bool = False) -> torch.Tensor:
+        """What ``span``'s fragment is encoded after: the conditioning, then its encode context unless ``lead``."""
+        if lead or not span.context:
+            return self.conditioning
+        return torch.cat([self.conditioning, torch.tensor(span.context, dtype=torch.long)])
 
-    def context_digest(self, lead: bool = False) -> str:
+    def context_digest(self, span: FragmentSpan, lead: bool = False) -> str:
         """The digest of :meth:`encoded_after`, which keys the fragments encoded after it."""
-        return self._context_digests[lead]
-
-    @cached_property
-    def _context_digests(self) -> tuple[str, str]:
-        # looked up for every memory of a prompt: hashed once per layout
-        return digest_ids(self.encoded_after().tolist()), digest_ids(self.encoded_after(lead=True).tolist())
+        context = () if lead else span.context
+        digest = self._digests.get(context)
+        if digest is None:  # looked up for every memory of a prompt, most sharing one context: hashed once per layout
+            digest = self._digests[context] = digest_ids(self.encoded_after(span, lead).tolist())
+        return digest
 
 
 def common_prefix(a: torch.Tensor, b: torch.Tensor) -> int:

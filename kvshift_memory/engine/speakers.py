@@ -1,0 +1,46 @@
+"""Who speaks in a text of ``Name: words`` lines, and an encode context recast with a memory's speakers.
+
+A fragment's K/V depend on the text it was encoded after. The built-in encode context is a chat
+between two made-up people; a memory from a conversation between two others, encoded after it,
+reads as a new pair of people breaking into that chat, and the shifted memory pulls the answer
+towards continuing a transcript ("Tim: Thanks! ...") instead of answering. The same context with
+its speakers renamed to the memory's own was as good as a stretch of the memory's own conversation
+(``benchmarks/fidelity.py``, the README's fidelity section).
+"""
+
+from __future__ import annotations
+
+import re
+from functools import lru_cache
+
+__all__ = ["cast_speakers", "speakers"]
+
+# a speaker opens a line: one capitalised word, a colon, a space
+_SPEAKER = re.compile(r"^([A-Z][A-Za-z'-]{0,39}):[ \t]", re.MULTILINE)
+
+
+def speakers(text: str) -> tuple[str, ...]:
+    """The names that open a line of ``text`` as ``Name: ...``, in order of first appearance."""
+    return tuple(dict.fromkeys(_SPEAKER.findall(text)))
+
+
+def cast_speakers(context: str, memory: str) -> str:
+    """``context`` with its speakers renamed, wherever the name stands as a word, to ``memory``'s.
+
+    Names the two texts share keep their places (a context from the memory's own conversation is
+    left as it is); the others are paired in order of first appearance, and a context speaker
+    left without a partner keeps its name. A memory without speakers leaves the context unchanged.
+    """
+    return _cast(context, speakers(memory))
+
+
+@lru_cache(maxsize=256)
+def _cast(context: str, cast: tuple[str, ...]) -> str:
+    if not cast:
+        return context
+    present = speakers(context)
+    renamed = dict(zip((name for name in present if name not in cast), (name for name in cast if name not in present)))
+    if not renamed:
+        return context
+    pattern = re.compile(r"\b(" + "|".join(map(re.escape, renamed)) + r")\b")
+    return pattern.sub(lambda match: renamed[match.group(1)], context)
