@@ -28,10 +28,12 @@ def cast_speakers(context: str, memory: str) -> str:
     """``context`` with its speakers renamed, wherever the name stands as a word, to ``memory``'s.
 
     Names the two texts share keep their places (a context from the memory's own conversation is
-    left as it is); the others are paired in order of first appearance, and a context speaker
-    left without a partner keeps its name. A memory without speakers leaves the context unchanged.
+    left as it is). The others are paired: the context's in order of first appearance with the
+    memory's in alphabetical order, so that every memory between the same people is encoded after
+    the same context, whoever speaks first in it. A context speaker left without a partner keeps
+    its name; a memory without speakers leaves the context unchanged.
     """
-    return _cast(context, speakers(memory))
+    return _cast(context, tuple(sorted(speakers(memory))))
 
 
 @lru_cache(maxsize=256)
