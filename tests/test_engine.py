@@ -13,6 +13,7 @@ from conftest import TINY_CONFIGS, VOCAB, tiny_model
 
 from kvshift_memory import GenerationResult, GenerationStream, KVShiftEngine, ScoreResult
 from kvshift_memory.engine.prompt import TokenMemo, common_prefix
+from kvshift_memory.engine.speakers import cast_speakers
 from kvshift_memory.exceptions import ContextOverflowError, InvalidInputError
 
 MEMORIES = [
@@ -408,6 +409,70 @@ def test_encode_context_per_call_keys_the_fragments(tiny_engine):
     tiny_engine.clear_cache()
     assert tiny_engine.warm(MEMORIES, "q", encode_context="") == len(MEMORIES)
     assert len(tiny_engine._fragments) == len(MEMORIES)
+
+
+DIALOGUES = [
+    "(1 May)\nJohn: I signed with the Minnesota Wolves.\nTim: Congrats, John!",
+    "(2 May)\nTim: I started learning the violin.\nJohn: Nice, Tim.",
+    "(3 May)\nAnna: We moved to Porto.\nBen: How is it?",
+    "Alice is allergic to peanuts.",
+]
+
+
+def _fragments_by_memory(engine: KVShiftEngine, memories) -> list:
+    layout = engine._plan("q", memories, "blend", 0.0, 1)[0]
+    by_tokens = {fragment.token_ids: fragment for fragment in engine._fragments.values()}
+    return [by_tokens[span.token_ids] for span in layout.fragments]
+
+
+def test_a_dialogue_is_encoded_after_the_context_recast_with_its_own_speakers(tiny_engine, tokenizer):
+    tiny_engine.clear_cache()
+    assert tiny_engine.warm(DIALOGUES, "q", lead_fragments=False) == len(DIALOGUES)
+    fragments = _fragments_by_memory(tiny_engine, DIALOGUES)
+    digests = [fragment.context_digest for fragment in fragments]
+    assert digests[0] == digests[1]  # the same two people, whoever speaks first: one context
+    assert len(set(digests)) == 3  # John and Tim, Anna and Ben, no speakers
+    hit = tiny_engine.generate("q", DIALOGUES, max_new_tokens=1).stats
+    assert hit.fragments_hit == len(DIALOGUES) and hit.encoded_tokens == 0
+
+    # each fragment is exactly the one encoded after the recast context given as the context
+    plain = KVShiftEngine(tiny_engine.model, tokenizer, fingerprint=tiny_engine.fingerprint, match_speakers=False)
+    context = tiny_engine.settings.encode_context
+    for memory, fragment in zip(DIALOGUES, fragments):
+        plain.clear_cache()
+        plain.warm([memory], "q", lead_fragments=False, encode_context=cast_speakers(context, memory))
+        (expected,) = _fragments_by_memory(plain, [memory])
+        assert expected.context_digest == fragment.context_digest
+        assert all(torch.equal(a, b) for a, b in zip(expected.keys + expected.values, fragment.keys + fragment.values))
+
+    # without speaker matching every memory shares the context as written, and reads differently
+    plain.clear_cache()
+    plain.warm(DIALOGUES, "q", lead_fragments=False)
+    assert len({fragment.context_digest for fragment in _fragments_by_memory(plain, DIALOGUES)}) == 1
+    shifted = {}
+    for name, engine in (("matched", tiny_engine), ("plain", plain)):
+        engine.clear_cache(fragments=False)
+        shifted[name] = engine.score("q", DIALOGUES, "Wolves", reuse="blend", recompute_ratio=0.0).logprobs
+    assert shifted["matched"] != shifted["plain"]
+    # full recompute never sees a context: recomputing every token is exact either way
+    full = tiny_engine.score("q", DIALOGUES, "Wolves", reuse="none").logprobs
+    for engine in (tiny_engine, plain):
+        exact = engine.score("q", DIALOGUES, "Wolves", reuse="blend", recompute_ratio=1.0).logprobs
+        assert exact == pytest.approx(full, abs=1e-4)
+
+
+def test_a_dialogue_too_long_after_its_recast_context_falls_back(tiny_engine):
+    tiny_engine.clear_cache()
+    # short as written, too long once its speaker "A" takes a name of several tokens
+    name = "Zxqvwkjhgfdsa"
+    memory = f"{name}: hello there"
+    context = "A: hi\n" + "A " * (tiny_engine.max_positions // 2)
+    assert tiny_engine.count_tokens(cast_speakers(context, memory)) > tiny_engine.max_positions
+    assert tiny_engine.warm(["hello there"], "q", encode_context=context) == 1
+    with pytest.raises(ContextOverflowError, match="encode context"):
+        tiny_engine.warm([memory], "q", encode_context=context)
+    result = tiny_engine.generate("q", [memory], reuse="blend", max_new_tokens=1, encode_context=context)
+    assert result.stats.reuse == "prefix" and "encode context" in result.stats.fallback_reason
 
 
 @pytest.mark.parametrize("bad", [5, b"bytes", ["list"], "\ud800", "x" * 3_000_000])

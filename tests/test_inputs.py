@@ -134,6 +134,7 @@ def test_unknown_dtype_is_rejected():
         {"prefix_cache_bytes": "big"},
         {"system_prompt": None},
         {"encode_context": 5},
+        {"match_speakers": "yes"},
     ],
 )
 def test_bad_setting_values(tokenizer, override):

@@ -24,12 +24,19 @@ def test_the_context_takes_the_memorys_speakers_wherever_a_name_stands_as_a_word
     assert cast_speakers(CONTEXT, "Tim: Hi John.\nJohn: Hi.") == cast_speakers(CONTEXT, memory)
 
 
-def test_shared_names_stay_put_and_unpaired_speakers_keep_their_names():
+def test_shared_names_stay_put():
     # the memory's own conversation: nothing to rename, and no two names swapped
     assert cast_speakers(CONTEXT, "Tom: hi\nMaya: hello") == CONTEXT
     assert cast_speakers(CONTEXT, "Tom: hi\nAnna: hello") == CONTEXT.replace("Maya", "Anna")
     assert cast_speakers(CONTEXT, "Zed: hi\nMaya: hello") == "(3 March)\nMaya: Hey Zed! Tomorrow?\nZed: Sure, Maya.\nMaya: Great.\n"
-    assert cast_speakers(CONTEXT, "Lee: just me") == CONTEXT.replace("Maya", "Lee")
+    # more speakers than the context has: the first in alphabetical order take its places
+    three = "Cy: a\nBo: b\nAl: c"
+    assert cast_speakers(CONTEXT, three) == "(3 March)\nAl: Hey Bo! Tomorrow?\nBo: Sure, Al.\nAl: Great.\n"
+
+
+@pytest.mark.parametrize("memory", ["Lee: just me", "Lee: one\nLee: person", "Tom: only the shared one"])
+def test_a_context_whose_speakers_would_not_all_be_renamed_stays_as_written(memory):
+    assert cast_speakers(CONTEXT, memory) is CONTEXT
 
 
 @pytest.mark.parametrize("memory", ["Budget for the Lisbon trip is 50k.", "", "a\nb\n", "x" * 1_000_000])

@@ -303,8 +303,9 @@ class KVShiftEngine:
         :param encode_context: the text the memories' fragments are encoded after (and looked up
             under), between the system message and the memory; default
             ``settings.encode_context``. Text about the same people as the memories works best (a
-            sample of the user's own earlier conversation: see the README); give :meth:`warm` the
-            same, or every fragment is encoded again here.
+            sample of the user's own earlier conversation: see the README); with
+            ``settings.match_speakers`` its speakers that a memory lacks take that memory's names.
+            Give :meth:`warm` the same, or every fragment is encoded again here.
         :returns: a :class:`GenerationResult` (text, token ids, stats, finish reason).
         :raises InvalidInputError: bad messages, memories or parameters.
         :raises ContextOverflowError: the prompt plus ``max_new_tokens`` exceeds the context window.
