@@ -84,7 +84,7 @@ def run_demo(store_path: str | None = None, max_new_tokens: int = 32) -> int:
                 print(f"  {question}\n    kvshift: {answers['blend'].text.strip()[:100]}\n    none:    {answers['none'].text.strip()[:100]}")
             print(
                 "\nTTFT counts from the call, recall from the store included. These memories are a sentence each,\n"
-                "so there is little to reuse: the gain grows with what is recalled (about 5x on LoCoMo, README).\n"
+                "so there is little to reuse: the gain grows with what is recalled (3-5x on LoCoMo, README).\n"
                 "The bundled model has 135M parameters and often gets facts wrong even with the right memory."
             )
     print(f"\ndemo finished in {time.perf_counter() - started:.0f} s")

@@ -71,8 +71,10 @@ class EngineSettings:
         after the prefix alone.
     :param match_speakers: a memory written as ``Name: words`` lines is encoded after the encode
         context with the context's speakers renamed to its own (:mod:`~kvshift_memory.engine.speakers`;
-        names both share stay put): a chat between two made-up people, then two others, reads as
-        a transcript the answer goes on with. Measured in ``benchmarks/fidelity.py`` (see the README).
+        names both share stay put; a context whose speakers would not all be renamed, as for a
+        one-speaker memory, stays as written): a chat between two made-up people, then two others,
+        reads as a transcript the answer goes on with. Measured in ``benchmarks/fidelity.py`` and
+        ``benchmarks/locomo.py`` (see the README).
     :param lead_fragments: the memory that opens the system message's memory block follows the
         shared prefix and nothing else, so its K/V can be exact (up to a store's codec): it is read from a second fragment,
         encoded right after the prefix (its *lead* fragment), instead of being shifted and repaired
