@@ -33,9 +33,9 @@ import platform
 import random
 import re
 import statistics
-from collections import Counter
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -147,7 +147,7 @@ def run_dataset(engine, ablations, instances, ratios, default_ratio, generate, m
                 row.update(answer=own.text, contains=accuracy[name][-1])
                 if run_engine is not ablations["no encode context"] and reuse == "blend" and context is None:  # these read fragments encoded after it
                     leaked = {n for n in names if n in own.text and n not in reference.text and all(n not in m for m in memories)}
-                    prompt_words = words_of(reference.text + instance.question + " ".join(memories))
+                    prompt_words = words_of(" ".join([reference.text, instance.question, *memories]))
                     leaked |= (story & words_of(own.text)) - prompt_words
                     if leaked:
                         leaks.append({"instance": index, "condition": name, "words": sorted(leaked), "answer": own.text})
