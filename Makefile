@@ -32,7 +32,7 @@ test: install
 
 bench: install
 	$(PY) benchmarks/ttft.py
-	$(PY) benchmarks/fidelity.py --robustness
+	$(PY) benchmarks/fidelity.py --datasets locomo,memorybank-exchanges,memorybank-facts
 	$(PY) benchmarks/store.py
 	$(PY) benchmarks/writeback.py
 	$(PY) benchmarks/recall.py

@@ -20,7 +20,10 @@ its memories, as much as the built-in context's length, given as ``encode_contex
 counts the instances whose context holds the gold answer).
 
     python benchmarks/fidelity.py                      # 40 LoCoMo instances, ~40 min on 2 cores
-    python benchmarks/fidelity.py --robustness         # + MemoryBank exchanges and short facts (KL only)
+    python benchmarks/fidelity.py --datasets memorybank-exchanges,memorybank-facts --output benchmarks/results/fidelity_memorybank.json
+                                                       # robustness: MemoryBank exchanges and facts (KL only)
+    python benchmarks/fidelity.py --instances 120 --ratios 0.15 --no-ablations --output benchmarks/results/fidelity_120.json
+                                                       # the bar's conditions on 3x the sample, ~1 h
 
 Prints a table and writes ``benchmarks/results/fidelity.json``.
 """
@@ -46,6 +49,7 @@ from benchdata import build_instances, conversation_context, locomo_dir, memoryb
 from kvshift_memory import KVShiftEngine  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
+DATASETS = ("locomo", "memorybank-exchanges", "memorybank-facts")
 
 
 def kl_and_top1(reference: torch.Tensor, other: torch.Tensor) -> tuple[float, float]:
@@ -145,7 +149,7 @@ def run_dataset(engine, ablations, instances, ratios, default_ratio, generate, m
                 row["exact"] = own.token_ids == reference.token_ids
                 accuracy[name].append(contains(instance.answer, own.text))
                 row.update(answer=own.text, contains=accuracy[name][-1])
-                if run_engine is not ablations["no encode context"] and reuse == "blend" and context is None:  # these read fragments encoded after it
+                if run_engine is not ablations.get("no encode context") and reuse == "blend" and context is None:  # these read fragments encoded after it
                     leaked = {n for n in names if n in own.text and n not in reference.text and all(n not in m for m in memories)}
                     prompt_words = words_of(" ".join([reference.text, instance.question, *memories]))
                     leaked |= (story & words_of(own.text)) - prompt_words
@@ -198,11 +202,21 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=2)
     parser.add_argument("--ratios", default="0.05,0.10,0.15,0.30")
     parser.add_argument("--max-new-tokens", type=int, default=32)
-    parser.add_argument("--robustness", action="store_true", help="also MemoryBank exchanges and facts (no generation)")
+    parser.add_argument(
+        "--datasets", default="locomo", help=f"comma-separated, of {', '.join(DATASETS)} (MemoryBank: KL only, no generation)"
+    )
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--no-own-context", action="store_true", help="leave out the own-conversation context row")
+    parser.add_argument(
+        "--no-ablations",
+        action="store_true",
+        help="leave out the rows that turn an engine feature off, and the own-conversation context (more instances per hour)",
+    )
     parser.add_argument("--output", type=Path, default=RESULTS / "fidelity.json")
     args = parser.parse_args()
+    unknown = set(args.datasets.split(",")) - set(DATASETS)
+    if unknown:
+        parser.error(f"unknown dataset(s): {', '.join(sorted(unknown))}")
     torch.set_num_threads(args.threads)
     ratios = [float(r) for r in args.ratios.split(",")]
 
@@ -214,13 +228,17 @@ def main() -> None:
             ("no speaker matching", {"match_speakers": False}),
             ("no lead fragment", {"lead_fragments": False}),
         )
+        if not args.no_ablations
     }
     default_ratio = engine.settings.recompute_ratio
     started = time.time()
-    datasets = {"locomo": (build_instances(args.instances, engine.count_tokens, seed=args.seed), True)}
-    if args.robustness:
-        for kind in ("exchanges", "facts"):
-            datasets[f"memorybank-{kind}"] = (memorybank_instances(args.instances, engine.count_tokens, kind, seed=args.seed), False)
+    datasets = {}
+    for name in args.datasets.split(","):
+        if name == "locomo":
+            datasets[name] = (build_instances(args.instances, engine.count_tokens, seed=args.seed), True)
+        else:
+            kind = name.removeprefix("memorybank-")
+            datasets[name] = (memorybank_instances(args.instances, engine.count_tokens, kind, seed=args.seed), False)
 
     report = {
         "command": " ".join(["python", *sys.argv]),
@@ -233,7 +251,7 @@ def main() -> None:
     }
     for name, (instances, generate) in datasets.items():
         print(f"{name}: {len(instances)} instances", flush=True)
-        own_context = name == "locomo" and not args.no_own_context
+        own_context = name == "locomo" and not (args.no_own_context or args.no_ablations)
         summary, rows = run_dataset(
             engine, ablations, instances, ratios, default_ratio, generate, args.max_new_tokens, args.seed, own_context
         )
