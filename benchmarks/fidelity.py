@@ -21,11 +21,11 @@ counts the instances whose context holds the gold answer).
 
     python benchmarks/fidelity.py                      # 40 LoCoMo instances, ~40 min on 2 cores
     python benchmarks/fidelity.py --datasets memorybank-exchanges,memorybank-facts --output benchmarks/results/fidelity_memorybank.json
-                                                       # robustness: MemoryBank exchanges and facts (KL only)
+                                                       # robustness: MemoryBank exchanges and facts (KL only), 31 min
     python benchmarks/fidelity.py --instances 120 --ratios 0.15 --no-ablations --output benchmarks/results/fidelity_120.json
-                                                       # the bar's conditions on 3x the sample, ~1 h
+                                                       # the bar's conditions on 3x the sample, 68 min
 
-Prints a table and writes ``benchmarks/results/fidelity.json``.
+Prints a table and writes ``benchmarks/results/fidelity.json`` (or ``--output``).
 """
 
 from __future__ import annotations
