@@ -214,7 +214,8 @@ def main() -> None:
     )
     parser.add_argument("--output", type=Path, default=RESULTS / "fidelity.json")
     args = parser.parse_args()
-    unknown = set(args.datasets.split(",")) - set(DATASETS)
+    dataset_names = list(dict.fromkeys(args.datasets.split(",")))
+    unknown = set(dataset_names) - set(DATASETS)
     if unknown:
         parser.error(f"unknown dataset(s): {', '.join(sorted(unknown))}")
     torch.set_num_threads(args.threads)
@@ -233,7 +234,7 @@ def main() -> None:
     default_ratio = engine.settings.recompute_ratio
     started = time.time()
     datasets = {}
-    for name in args.datasets.split(","):
+    for name in dataset_names:
         if name == "locomo":
             datasets[name] = (build_instances(args.instances, engine.count_tokens, seed=args.seed), True)
         else:
