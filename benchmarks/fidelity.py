@@ -26,7 +26,7 @@ counts the instances whose context holds the gold answer).
                                                        # the bar's conditions on 3x the sample, 58 min
     python benchmarks/fidelity.py --instances 240 --default-only --output benchmarks/results/fidelity_default_240.json
                                                        # full recompute against the default blend only, on 6x the
-                                                       # sample (the data yields 332), for the contains-answer gap, 68 min
+                                                       # sample (the data yields 332), for the contains-answer gap, 71 min
 
 Before each blend condition the instance's memories are warmed (``engine.warm``, lead fragments
 included), as an agent does when it stores them, so a condition never depends on what earlier
