@@ -105,9 +105,9 @@ def run_dataset(
     default = f"blend@{default_ratio:g}"
     ratios = sorted(set(ratios) | {default_ratio})
     ablations = dict(ablations, **({OWN_CONTEXT: engine} if own_context else {}))
-    conditions = ["reorder", "shift"] + [f"blend@{r:g}" for r in ratios] + [f"blend@default, {a}" for a in ablations]
-    if default_only:
-        conditions = [default]
+    conditions = (
+        [default] if default_only else ["reorder", "shift"] + [f"blend@{r:g}" for r in ratios] + [f"blend@default, {a}" for a in ablations]
+    )
     # Answers are generated (exact match, contains-answer) for the conditions a user meets and for
     # every ratio the fidelity bar allows (at most 15 %: candidates for the default); the others
     # are scored only (KL, top-1), which is what the recompute curve needs.
@@ -234,6 +234,7 @@ def main() -> None:
     )
     parser.add_argument("--output", type=Path, default=RESULTS / "fidelity.json")
     args = parser.parse_args()
+    args.no_ablations = args.no_ablations or args.default_only
     dataset_names = list(dict.fromkeys(args.datasets.split(",")))
     unknown = set(dataset_names) - set(DATASETS)
     if unknown:
@@ -249,7 +250,7 @@ def main() -> None:
             ("no speaker matching", {"match_speakers": False}),
             ("no lead fragment", {"lead_fragments": False}),
         )
-        if not (args.no_ablations or args.default_only)
+        if not args.no_ablations
     }
     default_ratio = engine.settings.recompute_ratio
     started = time.time()
@@ -272,7 +273,7 @@ def main() -> None:
     }
     for name, (instances, generate) in datasets.items():
         print(f"{name}: {len(instances)} instances", flush=True)
-        own_context = name == "locomo" and not (args.no_own_context or args.no_ablations or args.default_only)
+        own_context = name == "locomo" and not (args.no_own_context or args.no_ablations)
         summary, rows = run_dataset(
             engine, ablations, instances, ratios, default_ratio, generate, args.max_new_tokens, args.seed, own_context, args.default_only
         )
