@@ -28,6 +28,9 @@ counts the instances whose context holds the gold answer).
                                                        # full recompute against the default blend only, on 6x the
                                                        # sample (the data yields 332), for the contains-answer gap, 71 min
 
+    python benchmarks/fidelity.py --report benchmarks/results/fidelity_default_240.json --parts 40,120
+                                                       # run nothing: the paired comparison of a results file
+
 Before each blend condition the instance's memories are warmed (``engine.warm``, lead fragments
 included), as an agent does when it stores them, so a condition never depends on what earlier
 instances left in the fragment pool.
@@ -39,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import platform
 import random
 import re
@@ -211,6 +215,50 @@ def print_table(title: str, summary: dict) -> None:
         print(f"{name:<42} {s['mean_kl']:>8.4f} {s['top1']:>6.3f} {exact:>6} {acc:>8} {s['recomputed_share']:>9.1%}")
 
 
+TRANSCRIPT_OPENING = re.compile(r"^[A-Z][a-z]+:")
+
+
+def continues_transcript(answer: str) -> bool:
+    """Whether an answer opens as a transcript line (``Name: ...``) instead of answering."""
+    return TRANSCRIPT_OPENING.match(answer.strip()) is not None
+
+
+def print_paired(rows: dict, parts: list[int], title: str = "", resamples: int = 5000) -> None:
+    """Each generated condition against full recompute, question by question, over the whole set
+    and over the instance ranges that ``parts`` (ascending boundaries) cut it into: contains-answer
+    gained and lost, a one-sided sign test on those that differ, a paired bootstrap 95 % interval of
+    the difference, and transcript openings (the ``Name: ...`` rule). Prints nothing for a set
+    whose conditions were scored only."""
+    generated = [name for name, items in rows.items() if name != "none" and items and "contains" in items[0]]
+    if not generated:
+        return
+    reference = rows["none"]
+    total = len(reference)
+    bounds = [0, *[b for b in parts if 0 < b < total], total]
+    ranges = list(zip(bounds, bounds[1:]))
+    spans = [(0, total)] + (ranges if len(ranges) > 1 else [])
+    print(f"\n{title}\n{'condition':<28} {'instances':>10} {'mean KL':>8} {'top-1':>6} {'none':>5} {'cond':>5} {'gained':>6} "
+          f"{'lost':>5} {'sign p':>7} {'95% interval':>16} {'Name: none/cond':>16} {'plain both: n, none, cond':>26}")
+    for name in generated:
+        items = rows[name]
+        for lo, hi in spans:
+            ref, own = reference[lo:hi], items[lo:hi]
+            gained = sum(o["contains"] and not r["contains"] for r, o in zip(ref, own))
+            lost = sum(r["contains"] and not o["contains"] for r, o in zip(ref, own))
+            differing = gained + lost
+            sign_p = sum(math.comb(differing, k) for k in range(gained + 1)) / 2**differing if differing else 1.0
+            diffs = [int(o["contains"]) - int(r["contains"]) for r, o in zip(ref, own)]
+            rng = random.Random(0)
+            boot = sorted(100 * sum(rng.choice(diffs) for _ in diffs) / len(diffs) for _ in range(resamples))
+            interval = f"[{boot[int(0.025 * resamples)]:+.1f}, {boot[int(0.975 * resamples)]:+.1f}]"
+            plain = [(r, o) for r, o in zip(ref, own) if not continues_transcript(r["answer"]) and not continues_transcript(o["answer"])]
+            print(f"{name:<28} {f'{lo}-{hi}':>10} {statistics.fmean(o['kl'] for o in own):>8.4f} "
+                  f"{statistics.fmean(o['top1'] for o in own):>6.3f} {sum(r['contains'] for r in ref):>5} "
+                  f"{sum(o['contains'] for o in own):>5} {gained:>6} {lost:>5} {sign_p:>7.3f} {interval:>16} "
+                  f"{sum(continues_transcript(r['answer']) for r in ref):>7}/{sum(continues_transcript(o['answer']) for o in own):<8} "
+                  f"{len(plain):>12}, {sum(r['contains'] for r, _ in plain)}, {sum(o['contains'] for _, o in plain)}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--instances", type=int, default=40)
@@ -233,7 +281,16 @@ def main() -> None:
         help="only full recompute and the default blend (implies --no-ablations): a larger paired sample per hour",
     )
     parser.add_argument("--output", type=Path, default=RESULTS / "fidelity.json")
+    parser.add_argument(
+        "--report", type=Path, help="run nothing: print the paired contains-answer comparison of a results JSON this script wrote"
+    )
+    parser.add_argument("--parts", default="", help="with --report: comma-separated instance boundaries to report ranges too")
     args = parser.parse_args()
+    if args.report:
+        for name, result in json.loads(args.report.read_text())["datasets"].items():
+            title = f"{name} ({result['instances']} instances), paired against full recompute:"
+            print_paired(result["per_instance"], [int(b) for b in args.parts.split(",") if b], title)
+        return
     args.no_ablations = args.no_ablations or args.default_only
     dataset_names = list(dict.fromkeys(args.datasets.split(",")))
     unknown = set(dataset_names) - set(DATASETS)
@@ -280,6 +337,7 @@ def main() -> None:
         report["datasets"][name] = {"instances": len(instances), "summary": summary, "per_instance": rows}
         print_table(f"{name} ({len(instances)} instances, seed {args.seed})", summary)
         if generate:
+            print_paired(rows, [], "paired against full recompute:")
             print(f"answers naming something from the encode context the prompt lacks: {len(summary['_encode_context_leaks'])}")
         if "_own_contexts_holding_the_answer" in summary:
             print(f"own-conversation contexts holding the gold answer: {summary['_own_contexts_holding_the_answer']}")
