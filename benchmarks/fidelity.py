@@ -27,6 +27,9 @@ counts the instances whose context holds the gold answer).
     python benchmarks/fidelity.py --instances 240 --default-only --output benchmarks/results/fidelity_default_240.json
                                                        # full recompute against the default blend only, on 6x the
                                                        # sample (the data yields 332), for the contains-answer gap, 71 min
+    python benchmarks/fidelity.py --instances 120 --default-only --recompute-window 4096 --output benchmarks/results/fidelity_window4096_120.json
+                                                       # the default blend with no recompute window (these prompts are
+                                                       # shorter than 4096 tokens), 34 min
 
     python benchmarks/fidelity.py --report benchmarks/results/fidelity_default_240.json --parts 40,120
                                                        # run nothing: the paired comparison of a results file
@@ -280,6 +283,9 @@ def main() -> None:
         action="store_true",
         help="only full recompute and the default blend (implies --no-ablations): a larger paired sample per hour",
     )
+    parser.add_argument(
+        "--recompute-window", type=int, default=None, help="EngineSettings.recompute_window (default: the engine's)"
+    )
     parser.add_argument("--output", type=Path, default=RESULTS / "fidelity.json")
     parser.add_argument(
         "--report", type=Path, help="run nothing: print the paired contains-answer comparison of a results JSON this script wrote"
@@ -299,9 +305,10 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     ratios = [float(r) for r in args.ratios.split(",")]
 
-    engine = KVShiftEngine.from_pretrained()
+    window = {} if args.recompute_window is None else {"recompute_window": args.recompute_window}
+    engine = KVShiftEngine.from_pretrained(**window)
     ablations = {
-        name: KVShiftEngine(engine.model, engine.tokenizer, fingerprint=engine.fingerprint, **setting)
+        name: KVShiftEngine(engine.model, engine.tokenizer, fingerprint=engine.fingerprint, **window, **setting)
         for name, setting in (
             ("no encode context", {"encode_context": ""}),
             ("no speaker matching", {"match_speakers": False}),
@@ -323,6 +330,7 @@ def main() -> None:
         "command": " ".join(["python", *sys.argv]),
         "model": "SmolLM2-135M-Instruct (bundled, fp32)",
         "default_recompute_ratio": default_ratio,
+        "recompute_window": engine.settings.recompute_window,
         "threads": args.threads,
         "seed": args.seed,
         "machine": f"{platform.machine()} {platform.processor() or ''} torch {torch.__version__}",

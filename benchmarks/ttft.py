@@ -75,14 +75,18 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--recompute-ratio", type=float, default=None, help="blend's ratio (default: the engine's)")
+    parser.add_argument(
+        "--recompute-window", type=int, default=None, help="EngineSettings.recompute_window (default: the engine's)"
+    )
     parser.add_argument("--no-pack-weights", action="store_true", help="EngineSettings.pack_weights=False (an A/B)")
     parser.add_argument("--no-keep-freed-memory", action="store_true", help="EngineSettings.keep_freed_memory=False (an A/B)")
     parser.add_argument("--output", type=Path, default=RESULTS / "ttft.json")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
+    window = {} if args.recompute_window is None else {"recompute_window": args.recompute_window}
     engine = KVShiftEngine.from_pretrained(
-        pack_weights=not args.no_pack_weights, keep_freed_memory=not args.no_keep_freed_memory
+        pack_weights=not args.no_pack_weights, keep_freed_memory=not args.no_keep_freed_memory, **window
     )
     ratio = engine.settings.recompute_ratio if args.recompute_ratio is None else args.recompute_ratio
     pool = [m for instance in build_instances(60, engine.count_tokens, seed=11) for m in instance.memories]
@@ -94,6 +98,7 @@ def main() -> None:
         "threads": args.threads,
         "repeats": args.repeats,
         "recompute_ratio": ratio,
+        "recompute_window": engine.settings.recompute_window,
         "pack_weights": engine.settings.pack_weights,
         "keep_freed_memory": engine.settings.keep_freed_memory,
         "decode_tokens_per_s": {},
