@@ -7,7 +7,12 @@ full recompute (``reuse="none"``) is the reference. Every condition is scored on
 - top-1 agreement of those distributions,
 - greedy exact match of the condition's own answer with the reference answer,
 - contains-answer accuracy (the gold answer string appears in the generated answer),
-- the share of fragment tokens recomputed.
+- the share of fragment tokens recomputed,
+- how much log-probability the reference answer's *copied* tokens lose against full recompute
+  (``copy Δ``: tokens that, with the one before, continue a token pair found in a memory and not
+  in the question, the way an entity is copied from a memory) and how much its other tokens lose
+  (``other Δ``), in nats, averaged per instance: a continuous, paired reading of what the
+  contains-answer figure counts in whole answers.
 
 Conditions: ``reorder`` (full recompute with the memories shuffled: how much merely reordering
 perturbs the answer, the bar reuse must meet), ``shift`` (fragments placed, nothing recomputed),
@@ -71,6 +76,30 @@ def kl_and_top1(reference: torch.Tensor, other: torch.Tensor) -> tuple[float, fl
     kl = (reference.exp() * (reference - other)).sum(-1)
     top1 = (reference.argmax(-1) == other.argmax(-1)).float()
     return float(kl.mean()), float(top1.mean())
+
+
+def copied_positions(answer_ids: list[int], memory_ids: list[list[int]], question_ids: list[int]) -> list[bool]:
+    """Which answer tokens continue, with the token before them, a pair of adjacent tokens of a
+    memory that the question lacks: the tokens the answer copies from its memories."""
+    def pairs(ids: list[int]) -> set[tuple[int, int]]:
+        return set(zip(ids, ids[1:]))
+
+    from_memories = set().union(*map(pairs, memory_ids)) - pairs(question_ids)
+    return [False] + [pair in from_memories for pair in zip(answer_ids, answer_ids[1:])]
+
+
+def logprob_drops(reference: torch.Tensor, other: torch.Tensor, answer_ids: list[int], copied: list[bool]) -> tuple[float | None, float | None]:
+    """Mean log-probability the answer's copied tokens, and its other tokens, lose from
+    ``reference`` to ``other`` (rows of log-probabilities); ``None`` for a kind with no token."""
+    index = torch.arange(len(answer_ids))
+    drop = reference[index, answer_ids] - other[index, answer_ids]
+    mask = torch.tensor(copied)
+    return tuple(float(drop[kind].mean()) if bool(kind.any()) else None for kind in (mask, ~mask))
+
+
+def mean_of_known(values) -> float | None:
+    known = [v for v in values if v is not None]
+    return statistics.fmean(known) if known else None
 
 
 def contains(answer: str, text: str) -> bool:
@@ -139,6 +168,10 @@ def run_dataset(
         rows["none"].append({"question": instance.question, "expected": instance.answer,
                              "answer": reference.text, "contains": accuracy["none"][-1]})
         full = engine.score(messages, memories, answer_ids, reuse="none", return_distributions=True).distributions
+        encode = engine.tokenizer.encode
+        copied = copied_positions(
+            answer_ids, [encode(m, add_special_tokens=False) for m in memories], encode(instance.question, add_special_tokens=False)
+        )
         shuffled = list(memories)
         random.Random(f"{seed}:{index}").shuffle(shuffled)
         own_text = conversation_context(instance, engine.count_tokens, budget, seed) if own_context else None
@@ -162,7 +195,8 @@ def run_dataset(
                 messages, run_memories, answer_ids, reuse=reuse, recompute_ratio=ratio, return_distributions=True, encode_context=context
             )
             kl, top1 = kl_and_top1(full, scored.distributions)
-            row = {"kl": kl, "top1": top1, "recomputed": scored.stats.recomputed_tokens}
+            copy_drop, other_drop = logprob_drops(full, scored.distributions, answer_ids, copied)
+            row = {"kl": kl, "top1": top1, "recomputed": scored.stats.recomputed_tokens, "copy_drop": copy_drop, "other_drop": other_drop}
             if name in generated:
                 run_engine.clear_cache(fragments=False)
                 own = run_engine.generate(
@@ -192,6 +226,8 @@ def run_dataset(
             "mean_kl": statistics.fmean(r["kl"] for r in items),
             "top1": statistics.fmean(r["top1"] for r in items),
             "recomputed_share": statistics.fmean(r["recomputed_share"] for r in items) if name != "reorder" else 0.0,
+            "copy_logprob_drop": mean_of_known(r["copy_drop"] for r in items),
+            "other_logprob_drop": mean_of_known(r["other_drop"] for r in items),
         }
         if name in generated:
             summary[name]["exact_match"] = statistics.fmean(r["exact"] for r in items)
@@ -207,7 +243,7 @@ def run_dataset(
 
 def print_table(title: str, summary: dict) -> None:
     print(f"\n{title}")
-    header = f"{'condition':<42} {'mean KL':>8} {'top-1':>6} {'exact':>6} {'contains':>8} {'recomputed':>10}"
+    header = f"{'condition':<42} {'mean KL':>8} {'top-1':>6} {'exact':>6} {'contains':>8} {'recomputed':>10} {'copy Δ':>7} {'other Δ':>7}"
     print(header)
     print("-" * len(header))
     for name, s in summary.items():
@@ -215,7 +251,8 @@ def print_table(title: str, summary: dict) -> None:
             continue
         exact = f"{s['exact_match']:.2f}" if "exact_match" in s else "-"
         acc = f"{s['contains_answer']:.2f}" if s.get("contains_answer") is not None else "-"
-        print(f"{name:<42} {s['mean_kl']:>8.4f} {s['top1']:>6.3f} {exact:>6} {acc:>8} {s['recomputed_share']:>9.1%}")
+        drops = " ".join(f"{s[k]:>7.3f}" if s.get(k) is not None else f"{'-':>7}" for k in ("copy_logprob_drop", "other_logprob_drop"))
+        print(f"{name:<42} {s['mean_kl']:>8.4f} {s['top1']:>6.3f} {exact:>6} {acc:>8} {s['recomputed_share']:>9.1%} {drops}")
 
 
 TRANSCRIPT_OPENING = re.compile(r"^[A-Z][a-z]+:")
