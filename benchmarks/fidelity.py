@@ -38,6 +38,7 @@ counts the instances whose context holds the gold answer).
 
     python benchmarks/fidelity.py --report benchmarks/results/fidelity_default_240.json --parts 40,120
                                                        # run nothing: the paired comparison of a results file
+                                                       # (contains-answer, and copy Δ / other Δ with intervals)
 
 Before each blend condition the instance's memories are warmed (``engine.warm``, lead fragments
 included), as an agent does when it stores them, so a condition never depends on what earlier
@@ -263,6 +264,31 @@ def continues_transcript(answer: str) -> bool:
     return TRANSCRIPT_OPENING.match(answer.strip()) is not None
 
 
+def bootstrap_interval(values: list[float], resamples: int) -> tuple[float, float]:
+    """A 95 % bootstrap interval of the mean of ``values`` (seeded: the same values print the same interval)."""
+    rng = random.Random(0)
+    means = sorted(sum(rng.choice(values) for _ in values) / len(values) for _ in range(resamples))
+    return means[int(0.025 * resamples)], means[int(0.975 * resamples)]
+
+
+def print_copy_drops(rows: dict, title: str = "", resamples: int = 5000) -> None:
+    """For each condition, the log-probability the reference answer's copied tokens and its other
+    tokens lose against full recompute (``copy Δ``, ``other Δ``) and, per instance, how much more
+    the copied ones lose, each with a bootstrap 95 % interval of the mean over the instances whose
+    answer has both kinds. Prints nothing for results written before these were measured."""
+    measured = [name for name, items in rows.items() if name != "none" and items and "copy_drop" in items[0]]
+    if not measured:
+        return
+    print(f"\n{title}\n{'condition':<42} {'instances':>9} {'copy Δ':>24} {'other Δ':>24} {'copy Δ - other Δ':>24}")
+    for name in measured:
+        both = [r for r in rows[name] if r["copy_drop"] is not None and r["other_drop"] is not None]
+        cells = []
+        for values in ([r["copy_drop"] for r in both], [r["other_drop"] for r in both], [r["copy_drop"] - r["other_drop"] for r in both]):
+            low, high = bootstrap_interval(values, resamples)
+            cells.append(f"{statistics.fmean(values):+.3f} [{low:+.3f}, {high:+.3f}]")
+        print(f"{name:<42} {len(both):>9} " + " ".join(f"{c:>24}" for c in cells))
+
+
 def print_paired(rows: dict, parts: list[int], title: str = "", resamples: int = 5000) -> None:
     """Each generated condition against full recompute, question by question, over the whole set
     and over the instance ranges that ``parts`` (ascending boundaries) cut it into: contains-answer
@@ -288,9 +314,8 @@ def print_paired(rows: dict, parts: list[int], title: str = "", resamples: int =
             differing = gained + lost
             sign_p = sum(math.comb(differing, k) for k in range(gained + 1)) / 2**differing if differing else 1.0
             diffs = [int(o["contains"]) - int(r["contains"]) for r, o in zip(ref, own)]
-            rng = random.Random(0)
-            boot = sorted(100 * sum(rng.choice(diffs) for _ in diffs) / len(diffs) for _ in range(resamples))
-            interval = f"[{boot[int(0.025 * resamples)]:+.1f}, {boot[int(0.975 * resamples)]:+.1f}]"
+            low, high = bootstrap_interval(diffs, resamples)
+            interval = f"[{100 * low:+.1f}, {100 * high:+.1f}]"
             plain = [(r, o) for r, o in zip(ref, own) if not continues_transcript(r["answer"]) and not continues_transcript(o["answer"])]
             print(f"{name:<28} {f'{lo}-{hi}':>10} {statistics.fmean(o['kl'] for o in own):>8.4f} "
                   f"{statistics.fmean(o['top1'] for o in own):>6.3f} {sum(r['contains'] for r in ref):>5} "
@@ -333,6 +358,7 @@ def main() -> None:
         for name, result in json.loads(args.report.read_text())["datasets"].items():
             title = f"{name} ({result['instances']} instances), paired against full recompute:"
             print_paired(result["per_instance"], [int(b) for b in args.parts.split(",") if b], title)
+            print_copy_drops(result["per_instance"], f"{name}, log-probability lost against full recompute (nats):")
         return
     args.no_ablations = args.no_ablations or args.default_only
     dataset_names = list(dict.fromkeys(args.datasets.split(",")))
@@ -384,6 +410,7 @@ def main() -> None:
         if generate:
             print_paired(rows, [], "paired against full recompute:")
             print(f"answers naming something from the encode context the prompt lacks: {len(summary['_encode_context_leaks'])}")
+        print_copy_drops(rows, "log-probability lost against full recompute (nats):")
         if "_own_contexts_holding_the_answer" in summary:
             print(f"own-conversation contexts holding the gold answer: {summary['_own_contexts_holding_the_answer']}")
     report["elapsed_s"] = time.time() - started
