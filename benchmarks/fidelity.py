@@ -50,6 +50,7 @@ Prints a table and writes ``benchmarks/results/fidelity.json`` (or ``--output``)
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import platform
@@ -82,14 +83,17 @@ def kl_and_top1(reference: torch.Tensor, other: torch.Tensor) -> tuple[float, fl
 def copied_positions(answer_ids: list[int], memory_ids: list[list[int]], question_ids: list[int]) -> list[bool]:
     """Which answer tokens continue, with the token before them, a pair of adjacent tokens of a
     memory that the question lacks: the tokens the answer copies from its memories."""
+
     def pairs(ids: list[int]) -> set[tuple[int, int]]:
-        return set(zip(ids, ids[1:]))
+        return set(itertools.pairwise(ids))
 
     from_memories = set().union(*map(pairs, memory_ids)) - pairs(question_ids)
-    return [False] + [pair in from_memories for pair in zip(answer_ids, answer_ids[1:])]
+    return [False] + [pair in from_memories for pair in itertools.pairwise(answer_ids)]
 
 
-def logprob_drops(reference: torch.Tensor, other: torch.Tensor, answer_ids: list[int], copied: list[bool]) -> tuple[float | None, float | None]:
+def logprob_drops(
+    reference: torch.Tensor, other: torch.Tensor, answer_ids: list[int], copied: list[bool]
+) -> tuple[float | None, float | None]:
     """Mean log-probability the answer's copied tokens, and its other tokens, lose from
     ``reference`` to ``other`` (rows of log-probabilities); ``None`` for a kind with no token."""
     index = torch.arange(len(answer_ids))
@@ -301,7 +305,7 @@ def print_paired(rows: dict, parts: list[int], title: str = "", resamples: int =
     reference = rows["none"]
     total = len(reference)
     bounds = [0, *[b for b in parts if 0 < b < total], total]
-    ranges = list(zip(bounds, bounds[1:]))
+    ranges = list(itertools.pairwise(bounds))
     spans = [(0, total)] + (ranges if len(ranges) > 1 else [])
     print(f"\n{title}\n{'condition':<28} {'instances':>10} {'mean KL':>8} {'top-1':>6} {'none':>5} {'cond':>5} {'gained':>6} "
           f"{'lost':>5} {'sign p':>7} {'95% interval':>16} {'Name: none/cond':>16} {'plain both: n, none, cond':>26}")
