@@ -286,6 +286,8 @@ def print_copy_drops(rows: dict, title: str = "", resamples: int = 5000) -> None
     print(f"\n{title}\n{'condition':<42} {'instances':>9} {'copy Δ':>24} {'other Δ':>24} {'copy Δ - other Δ':>24}")
     for name in measured:
         both = [r for r in rows[name] if r["copy_drop"] is not None and r["other_drop"] is not None]
+        if not both:
+            continue
         cells = []
         for values in ([r["copy_drop"] for r in both], [r["other_drop"] for r in both], [r["copy_drop"] - r["other_drop"] for r in both]):
             low, high = bootstrap_interval(values, resamples)
@@ -354,7 +356,7 @@ def main() -> None:
     )
     parser.add_argument("--output", type=Path, default=RESULTS / "fidelity.json")
     parser.add_argument(
-        "--report", type=Path, help="run nothing: print the paired contains-answer comparison of a results JSON this script wrote"
+        "--report", type=Path, help="run nothing: print the paired comparisons (contains-answer, copy and other Δ) of a results JSON this script wrote"
     )
     parser.add_argument("--parts", default="", help="with --report: comma-separated instance boundaries to report ranges too")
     args = parser.parse_args()
