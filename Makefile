@@ -33,6 +33,7 @@ test: install
 bench: install
 	$(PY) benchmarks/ttft.py
 	$(PY) benchmarks/fidelity.py --datasets locomo,memorybank-exchanges,memorybank-facts
+	$(PY) benchmarks/attention.py
 	$(PY) benchmarks/store.py
 	$(PY) benchmarks/writeback.py
 	$(PY) benchmarks/recall.py

@@ -167,6 +167,20 @@ def test_blend_recompute_budget_and_floor(tiny_engine):
     assert small.stats.recomputed_tokens == layout.fragments[1].end - layout.fragments[1].start
 
 
+def test_prepared_blend_says_which_slots_it_recomputed(tiny_engine):
+    many = [f"Memory number {i}: " + "the quick brown fox jumps over the lazy dog. " * 6 for i in range(8)]
+    tiny_engine.clear_cache()
+    layout, mode, ratio, requested, fallback = tiny_engine._plan("Which memory mentions a fox?", many, "blend", 0.2, 1)
+    prepared = tiny_engine._prepare(layout, mode, ratio, requested, fallback, 1)
+    assert int(prepared.recomputed.sum()) == prepared.stats.recomputed_tokens > 0
+    shifted = torch.zeros(layout.length, dtype=torch.bool)
+    for span in layout.fragments[1:]:  # the first is read from its lead fragment, never recomputed
+        shifted[span.start : span.end] = True
+    assert not (prepared.recomputed & ~shifted).any()
+    layout, mode, ratio, requested, fallback = tiny_engine._plan("Which memory mentions a fox?", many, "none", None, 1)
+    assert tiny_engine._prepare(layout, mode, ratio, requested, fallback, 1).recomputed is None
+
+
 def test_multi_turn_reuses_the_previous_turn(tiny_engine):
     tiny_engine.clear_cache()
     first = [{"role": "user", "content": "Tell me about Lisbon."}]

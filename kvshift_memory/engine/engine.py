@@ -139,6 +139,8 @@ class _Prepared:
     logits: torch.Tensor
     stats: ReuseStats
     exact_until: int
+    #: which slots the blend recomputed (``None`` when nothing was): for measuring where the question looks
+    recomputed: torch.Tensor | None = None
 
 
 class GenerationStream(Iterator[str]):
@@ -873,7 +875,7 @@ class KVShiftEngine:
                 stats.encoded_tokens += kept
         stats.recomputed_tokens = int(chosen.numel())
         stats.prefilled_tokens = (first - reused) + (n - tail)
-        return _Prepared(cache, logits[-1], stats, exact_until)
+        return _Prepared(cache, logits[-1], stats, exact_until, recomputed)
 
     def _recompute_instead(self, layout: PromptLayout, span: FragmentSpan) -> bool:
         """Whether the cost model finds a stored memory cheaper to recompute than to fetch.
