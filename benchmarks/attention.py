@@ -127,7 +127,7 @@ def measure(engine: KVShiftEngine, instance) -> dict[str, dict[str, list[float]]
 
 
 def summarise(per_instance: list[dict], layers: int) -> dict[str, dict]:
-    thirds = [(start, min(layers, start + -(-layers // 3))) for start in range(0, layers, -(-layers // 3))]
+    thirds = [(int(part[0]), int(part[-1]) + 1) for part in torch.arange(layers).tensor_split(3)]
     summary = {}
     for part in PARTS:
         rows = [row[part] for row in per_instance if part in row]
