@@ -35,6 +35,9 @@ counts the instances whose context holds the gold answer).
     python benchmarks/fidelity.py --instances 120 --default-only --recompute-window 4096 --output benchmarks/results/fidelity_window4096_120.json
                                                        # the default blend with no recompute window (these prompts are
                                                        # shorter than 4096 tokens), 34 min
+    python benchmarks/fidelity.py --instances 240 --curve --ratios 0.3,0.5 --recompute-window 4096 --output benchmarks/results/fidelity_curve_240.json
+                                                       # contains-answer against the share recomputed: the blend at
+                                                       # 30 % and 50 % with no window, each with its own answers
 
     python benchmarks/fidelity.py --report benchmarks/results/fidelity_default_240.json --parts 40,120
                                                        # run nothing: the paired comparison of a results file
@@ -141,18 +144,23 @@ OWN_CONTEXT = "own-conversation context"
 
 
 def run_dataset(
-    engine, ablations, instances, ratios, default_ratio, generate, max_new_tokens, seed, own_context=False, default_only=False
+    engine, ablations, instances, ratios, default_ratio, generate, max_new_tokens, seed, own_context=False, default_only=False,
+    curve=False,
 ):
     default = f"blend@{default_ratio:g}"
-    ratios = sorted(set(ratios) | {default_ratio})
     ablations = dict(ablations, **({OWN_CONTEXT: engine} if own_context else {}))
-    conditions = (
-        [default] if default_only else ["reorder", "shift"] + [f"blend@{r:g}" for r in ratios] + [f"blend@default, {a}" for a in ablations]
-    )
+    if curve:
+        conditions = [f"blend@{r:g}" for r in sorted(set(ratios))]
+    elif default_only:
+        conditions = [default]
+    else:
+        ratios = sorted(set(ratios) | {default_ratio})
+        conditions = ["reorder", "shift"] + [f"blend@{r:g}" for r in ratios] + [f"blend@default, {a}" for a in ablations]
     # Answers are generated (exact match, contains-answer) for the conditions a user meets and for
     # every ratio the fidelity bar allows (at most 15 %: candidates for the default); the others
-    # are scored only (KL, top-1), which is what the recompute curve needs.
-    allowed = {f"blend@{r:g}" for r in ratios if r <= 0.15}
+    # are scored only (KL, top-1), which is what the recompute curve needs. ``curve`` generates
+    # at every ratio: contains-answer against the share recomputed.
+    allowed = {f"blend@{r:g}" for r in ratios if r <= 0.15 or curve}
     generated = ({"reorder", "shift", default} | {f"blend@default, {a}" for a in ablations} | allowed) if generate else set()
     rows = {name: [] for name in ["none", *conditions]}  # "none": the reference answers
     accuracy = {name: [] for name in ["none", *conditions]}
@@ -352,6 +360,12 @@ def main() -> None:
         help="only full recompute and the default blend (implies --no-ablations): a larger paired sample per hour",
     )
     parser.add_argument(
+        "--curve",
+        action="store_true",
+        help="only full recompute and the blend at exactly --ratios, each with its own answers: contains-answer "
+        "against the share recomputed (implies --no-ablations)",
+    )
+    parser.add_argument(
         "--recompute-window", type=int, default=None, help="EngineSettings.recompute_window (default: the engine's)"
     )
     parser.add_argument("--output", type=Path, default=RESULTS / "fidelity.json")
@@ -366,7 +380,7 @@ def main() -> None:
             print_paired(result["per_instance"], [int(b) for b in args.parts.split(",") if b], title)
             print_copy_drops(result["per_instance"], f"{name}, log-probability lost against full recompute (nats):")
         return
-    args.no_ablations = args.no_ablations or args.default_only
+    args.no_ablations = args.no_ablations or args.default_only or args.curve
     dataset_names = list(dict.fromkeys(args.datasets.split(",")))
     unknown = set(dataset_names) - set(DATASETS)
     if unknown:
@@ -409,7 +423,8 @@ def main() -> None:
         print(f"{name}: {len(instances)} instances", flush=True)
         own_context = name == "locomo" and not (args.no_own_context or args.no_ablations)
         summary, rows = run_dataset(
-            engine, ablations, instances, ratios, default_ratio, generate, args.max_new_tokens, args.seed, own_context, args.default_only
+            engine, ablations, instances, ratios, default_ratio, generate, args.max_new_tokens, args.seed, own_context, args.default_only,
+            args.curve,
         )
         report["datasets"][name] = {"instances": len(instances), "summary": summary, "per_instance": rows}
         print_table(f"{name} ({len(instances)} instances, seed {args.seed})", summary)
