@@ -139,7 +139,8 @@ class _Prepared:
     logits: torch.Tensor
     stats: ReuseStats
     exact_until: int
-    #: which slots the blend recomputed (``None`` when nothing was): for measuring where the question looks
+    #: which slots the blend recomputed (all ``False`` for shift only; ``None`` when no memory was
+    #: placed, as for ``reuse="none"``): for measuring where the question looks
     recomputed: torch.Tensor | None = None
 
 
