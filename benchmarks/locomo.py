@@ -162,7 +162,7 @@ def main() -> None:
     rows: list[dict] = []
     for sample_id in args.samples.split(","):
         sample = data[sample_id]
-        with tempfile.TemporaryDirectory() as folder, MemoryStore(folder, index_hold_s=60.0) as store:
+        with tempfile.TemporaryDirectory() as folder, MemoryStore(folder) as store:
             ingested = ingest(engine, store, sample, settings)
             memory_ids = ingested.pop("memory_ids")
             report["samples"][sample_id] = ingested

@@ -14,7 +14,7 @@ Part 2: KL(fp32 || codec) of the next-token distributions over the fp32 answer o
 instances of ``fidelity.py`` (LoCoMo), with the default blend and with shift only (no recompute).
 
 Part 3: the embedded store as it grows (LoCoMo dialogue turns, one memory each): time per add,
-and search latency with the index folder held open and reopened (after ``index_hold_s``).
+and search latency with the index in memory, and reopened (loaded from its folder's snapshot).
 
 Redis: ``--redis-url``, or a throwaway ``redis-server`` on 127.0.0.1 when one is installed.
 
@@ -204,7 +204,7 @@ def part_search(embedder, sizes, repeats, report) -> None:
                 started = time.perf_counter()
                 store.search(query, tenant=TENANT)
                 held.append(time.perf_counter() - started)
-                store.index.close()  # what a search pays after the hold has expired
+                store.index.close()  # what the first search of a new process pays: load the snapshot
                 started = time.perf_counter()
                 store.search(query, tenant=TENANT)
                 reopened.append(time.perf_counter() - started)

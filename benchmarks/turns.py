@@ -52,7 +52,7 @@ def main() -> None:
     messages = messages[: args.turns]
     engine = KVShiftEngine.from_pretrained()
     rows = []
-    with tempfile.TemporaryDirectory() as folder, MemoryStore(folder, index_hold_s=60.0) as store:
+    with tempfile.TemporaryDirectory() as folder, MemoryStore(folder) as store:
         agents = {
             reuse: AgentMemory(
                 engine, store, user_id=f"user-{reuse}", session_id="long", reuse=reuse,

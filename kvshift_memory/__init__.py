@@ -21,6 +21,7 @@ from .exceptions import (
     ModelLoadError,
     ModelNotFoundError,
     SessionBusyError,
+    StoreBusyError,
     StoreError,
     VersionConflictError,
 )
@@ -72,6 +73,7 @@ __all__ = [
     "ReuseStats",
     "ScoreResult",
     "SessionBusyError",
+    "StoreBusyError",
     "StoreError",
     "VersionConflictError",
     "__version__",

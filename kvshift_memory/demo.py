@@ -44,7 +44,7 @@ def run_demo(store_path: str | None = None, max_new_tokens: int = 32) -> int:
     print(f"model loaded in {time.perf_counter() - started:.1f} s")
     with tempfile.TemporaryDirectory() as scratch:
         folder = Path(store_path) if store_path else Path(scratch) / "store"
-        with MemoryStore(folder, index_hold_s=30.0) as store:
+        with MemoryStore(folder) as store:
             settings = AgentSettings(max_new_tokens=max_new_tokens)
             print(f"\n== session 1 (store: {folder}) ==")
             planning = AgentMemory(engine, store, user_id="alice", session_id="planning", settings=settings)

@@ -16,6 +16,7 @@ __all__ = [
     "CorruptFragmentError",
     "MemoryNotFoundError",
     "VersionConflictError",
+    "StoreBusyError",
     "SessionBusyError",
 ]
 
@@ -67,6 +68,11 @@ class MemoryNotFoundError(StoreError, KeyError):
 
 class VersionConflictError(StoreError):
     """Another writer superseded or deleted the memory first; read it again and retry."""
+
+
+class StoreBusyError(StoreError):
+    """A lock of the store (a folder's database, another process's write) was not free within its
+    timeout; nothing was written. Try again, or give the store a longer ``lock_timeout_s``."""
 
 
 class SessionBusyError(KVShiftError):

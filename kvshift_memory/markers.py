@@ -34,6 +34,7 @@ __all__ = [
 _OPEN = re.compile(r"⟦mem:([^⟦⟧@\s]{1,256})@([1-9][0-9]{0,8})⟧")
 # anything marker-shaped, well-formed or not: none of it may reach the model
 _ANY_MARKER = re.compile(r"⟦/?mem\b[^⟦⟧]{0,300}⟧|⟦/?mem\b")
+_CLOSE = "⟦/mem⟧"
 
 
 @dataclass(frozen=True)
@@ -65,7 +66,9 @@ def strip_markers(text: str) -> str:
 def parse_markers(text: str) -> list[MarkedSpan]:
     """Split ``text`` into plain pieces and well-formed, non-nested marked spans.
 
-    A marked span's text holds no marker; plain pieces have theirs stripped.
+    A marked span's text holds no marker; plain pieces have theirs stripped. Runs in time linear
+    in ``len(text)`` whatever the text holds (a hostile message of openings without closes too):
+    each opening looks only as far as the next marker-shaped sequence.
     """
     text = inputs.check_text(text, "text", allow_empty=True)
     spans: list[MarkedSpan] = []
@@ -75,14 +78,15 @@ def parse_markers(text: str) -> list[MarkedSpan]:
         opening = _OPEN.search(text, position)
         if opening is None:
             break
-        close = text.find("⟦/mem⟧", opening.end())
-        inner = text[opening.end() : close] if close >= 0 else ""
-        if close < 0 or _ANY_MARKER.search(inner):  # unterminated or nested: not a span
-            position = opening.end()
+        following = _ANY_MARKER.search(text, opening.end())
+        position = opening.end()
+        # a span is an opening whose next marker-shaped sequence is its close: anything else
+        # (unterminated, nested, another opening first) leaves the opening as plain text
+        if following is None or following.group() != _CLOSE:
             continue
         spans.append(MarkedSpan(strip_markers(text[plain_start : opening.start()])))
-        spans.append(MarkedSpan(inner, opening.group(1), int(opening.group(2))))
-        plain_start = position = close + len("⟦/mem⟧")
+        spans.append(MarkedSpan(text[opening.end() : following.start()], opening.group(1), int(opening.group(2))))
+        plain_start = position = following.end()
     spans.append(MarkedSpan(strip_markers(text[plain_start:])))
     return [span for span in spans if span.text or span.memory_id is not None]
 

@@ -5,6 +5,7 @@ int8 layout, so a child starts in a fraction of a second and 50 of them fit in a
 
     python store_worker.py add-forever KV_URL TENANT          # prints each id once its add returned
     python store_worker.py add-and-read KV_URL TENANT COUNT   # prints a JSON report
+    python store_worker.py supersede-race KV_URL TENANT MEMORY_ID COUNT NAME START  # prints a JSON report
 """
 
 from __future__ import annotations
@@ -12,12 +13,14 @@ from __future__ import annotations
 import hashlib
 import json
 import sys
+import time
 import uuid
 
 import numpy as np
 from safetensors.numpy import save
 
 from kvshift_memory.blobs import CHECKSUM_KEY, blob_checksum
+from kvshift_memory.exceptions import VersionConflictError
 from kvshift_memory.store import MemoryStore
 
 LAYERS, HEADS, DIM = 2, 2, 8
@@ -96,6 +99,19 @@ def main() -> None:
                 if record.id not in [hit.id for hit in store.search(text, tenant=tenant, k=5)]:
                     report["misread"].append(f"search:{record.id}")
         print(json.dumps(report), flush=True)
+    if command == "supersede-race":
+        memory_id, count, name, start = sys.argv[4], int(sys.argv[5]), sys.argv[6], float(sys.argv[7])
+        time.sleep(max(0.0, start - time.time()))  # both processes begin together
+        outcomes = []
+        for attempt in range(count):
+            live = store.get(memory_id, tenant=tenant)
+            text = f"{name} attempt {attempt} {uuid.uuid4().hex}"
+            try:
+                new = store.supersede(memory_id, text, tenant=tenant, expected_version=live.version)
+                outcomes.append({"text": text, "version": new.version})
+            except VersionConflictError:
+                outcomes.append({"text": text, "version": None})
+        print(json.dumps(outcomes), flush=True)
 
 
 if __name__ == "__main__":

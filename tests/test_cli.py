@@ -36,7 +36,8 @@ def test_inspect_check_gc(folder, capsys):
 def test_check_fails_on_a_damaged_record(folder, capsys, embedder):
     path, keep = folder
     with MemoryStore(path, embedder=embedder) as store:
-        store.tier.set(f"r/alice/{keep.id}/1", b"garbage")
+        (record_key,) = store.tier.scan(f"r/alice/{keep.id}/1/")
+        store.tier.set(record_key, b"garbage")
     assert main(["check", str(path)]) == 1
     assert keep.id in capsys.readouterr().out
 

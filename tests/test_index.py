@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import uuid
 
 from kvshift_memory.store.index import IndexedState, QdrantIndex
 
@@ -12,7 +13,7 @@ class Log:
         self.entries: list[bytes] = []
 
     def add(self, tenant, memory_id):
-        self.entries.append(json.dumps({"tenant": tenant, "id": memory_id}).encode())
+        self.entries.append(json.dumps({"tenant": tenant, "id": memory_id, "n": uuid.uuid4().hex}).encode())
 
     def read(self, start):
         return self.entries[start:]
@@ -60,9 +61,73 @@ def test_an_index_of_another_embedder_is_refused(tmp_path):
 
     from kvshift_memory.exceptions import StoreError
 
-    QdrantIndex(str(tmp_path / "index"), 4, "test").count()
+    index = QdrantIndex(str(tmp_path / "index"), 4, "test")
+    log = Log()
+    log.add("a", "m1")
+    index.sync(log.read, lambda t, m: IndexedState(1, None, vec(0)))
+    index.close()  # writes the folder's snapshot, which names its embedder
     with pytest.raises(StoreError, match="embeds with"):
         QdrantIndex(str(tmp_path / "index"), 8, "other").count()
+
+
+def test_a_new_process_starts_from_the_snapshot_and_replays_only_the_rest(tmp_path):
+    log, states, asked = Log(), {}, []
+
+    def state_of(tenant, memory_id):
+        asked.append(memory_id)
+        return states.get((tenant, memory_id))
+
+    for n in range(3):
+        log.add("alice", f"m{n}")
+        states[("alice", f"m{n}")] = IndexedState(1, None, vec(n), ("word",))
+    first = QdrantIndex(str(tmp_path / "index"), 4, "test")
+    first.sync(log.read, state_of)
+    first.close()
+    log.add("alice", "m3")
+    states[("alice", "m3")] = IndexedState(1, "s", vec(3))
+    asked.clear()
+    second = QdrantIndex(str(tmp_path / "index"), 4, "test")
+    hits = second.search(vec(3), "alice", None, 5, log.read, state_of, terms=["word"], keyword_weight=0.1)
+    assert asked == ["m3"]  # the other three came from the snapshot
+    assert {h.memory_id for h in hits} == {"m0", "m1", "m2", "m3"} and hits[0].memory_id == "m3"
+    second.close()
+
+
+def test_a_damaged_snapshot_is_ignored_and_the_log_replayed(tmp_path):
+    log, states = Log(), {("alice", "m1"): IndexedState(1, None, vec(1))}
+    log.add("alice", "m1")
+    folder = tmp_path / "index"
+    first = QdrantIndex(str(folder), 4, "test")
+    first.sync(log.read, lambda t, m: states.get((t, m)))
+    first.close()
+    snapshot = folder / "index.safetensors"
+    for damage in (b"garbage", snapshot.read_bytes()[:-9]):
+        snapshot.write_bytes(damage)
+        index = QdrantIndex(str(folder), 4, "test")
+        assert [h.memory_id for h in index.search(vec(1), "alice", None, 5, log.read, lambda t, m: states.get((t, m)))] == ["m1"]
+
+
+def test_a_log_that_went_backwards_is_replayed_whole():
+    """The tier emptied (Redis restarted without its data) or restored from an older snapshot: the
+    entry the index applied last is gone, and new entries must still be indexed."""
+    index = QdrantIndex(":memory:", 4, "test")
+    log, states = Log(), {}
+    state_of = lambda t, m: states.get((t, m))  # noqa: E731
+    for n in range(3):
+        log.add("alice", f"m{n}")
+        states[("alice", f"m{n}")] = IndexedState(1, None, vec(n))
+    assert len(index.search(vec(0), "alice", None, 5, log.read, state_of)) == 3
+    log.entries.clear()
+    states.clear()  # restarted empty ...
+    for n in range(4):  # ... then more writes than the index had applied: the log is as long again
+        log.add("alice", f"new{n}")
+        states[("alice", f"new{n}")] = IndexedState(1, None, vec(n % 4))
+    assert {h.memory_id for h in index.search(vec(0), "alice", None, 10, log.read, state_of)} == {f"new{n}" for n in range(4)}
+    log.entries[:] = log.entries[:2]  # restored from an older snapshot: the last two writes lost
+    del states[("alice", "new2")], states[("alice", "new3")]
+    log.add("alice", "later")
+    states[("alice", "later")] = IndexedState(1, None, vec(3))
+    assert {h.memory_id for h in index.search(vec(0), "alice", None, 10, log.read, state_of)} == {"new0", "new1", "later"}
 
 
 def test_the_keyword_path_lifts_a_memory_that_names_the_rare_word(tmp_path):
@@ -83,17 +148,32 @@ def test_the_keyword_path_lifts_a_memory_that_names_the_rare_word(tmp_path):
     assert index.search(vec(0), "bob", None, 3, log.read, state_of, terms=["marley"], keyword_weight=1.0) == []
 
 
-def test_an_index_built_without_the_keyword_path_is_rebuilt_from_the_log(tmp_path):
+def test_a_folder_that_qdrants_local_mode_wrote_is_never_unpickled(tmp_path):
+    """Qdrant's local mode keeps pickled rows in a sqlite file; a tampered one would run code on
+    load. The index never opens such a folder with Qdrant: it reads only its own snapshot."""
+    import pickle
+    import sqlite3
+
     from qdrant_client import QdrantClient, models
 
-    folder = tmp_path / "index"
+    folder, marker = tmp_path / "index", tmp_path / "pwned"
     old = QdrantClient(path=str(folder))
     old.create_collection("kvshift_memories", vectors_config=models.VectorParams(size=4, distance=models.Distance.COSINE))
     old.upsert("kvshift_memories", points=[models.PointStruct(id=1, vector=vec(3), payload={"tenant": "alice"})])
     old.close()
-    index = QdrantIndex(str(folder), 4, "test", hold_s=0)
+
+    class Payload:
+        def __reduce__(self):
+            return (open, (str(marker), "w"))
+
+    (database,) = folder.rglob("storage.sqlite")
+    with sqlite3.connect(database) as connection:
+        connection.execute("UPDATE points SET point = ?", (pickle.dumps(Payload()),))
+    index = QdrantIndex(str(folder), 4, "test")
     log, states = Log(), {("alice", "m1"): IndexedState(1, None, vec(0), ("lisbon",))}
     log.add("alice", "m1")
     hits = index.search(vec(3), "alice", None, 5, log.read, lambda t, m: states.get((t, m)), terms=["lisbon"], keyword_weight=0.1)
-    assert [h.memory_id for h in hits] == ["m1"]  # the old point is gone, the log was replayed
+    assert [h.memory_id for h in hits] == ["m1"]
     index.close()
+    assert not marker.exists()
+    assert pickle.loads(pickle.dumps(Payload())) is not None and marker.exists()  # the payload does run when unpickled

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
+
 import pytest
 
 from kvshift_memory import MemoryRecord, MemoryStore
@@ -201,7 +203,7 @@ def test_bad_input_is_refused_clearly_and_loses_nothing(make_store):
 
 
 def test_constructor_refuses_bad_settings(tmp_path, embedder):
-    for options in ({}, {"codec": "int3"}, {"group_size": 3}, {"hot_bytes": -1}, {"index_hold_s": -1}):
+    for options in ({}, {"codec": "int3"}, {"group_size": 3}, {"hot_bytes": -1}, {"lock_timeout_s": 0}):
         with pytest.raises(InvalidInputError):
             MemoryStore(**({"path": tmp_path} if options else {}), embedder=embedder, **options)
     with pytest.raises(InvalidInputError):
@@ -216,17 +218,17 @@ def test_constructor_refuses_bad_settings(tmp_path, embedder):
 def test_damaged_records_are_reported_not_served(make_store):
     store = make_store()
     record = store.add("A fact.", tenant="alice")
-    key = f"r/alice/{record.id}/1"
+    (key,) = store.tier.scan(f"r/alice/{record.id}/1/")  # the version's record, under its writer's key
     store.tier.set(key, b'{"not": "a record"}')
     assert store.get(record.id, tenant="alice") is None
     report = store.check()
     assert not report.ok and any(record.id in problem for problem in report.problems)
 
 
-def test_two_stores_on_one_folder_share_the_index(tmp_path, embedder):
-    """Qdrant's local mode admits one client per folder: stores of one process share it."""
-    first = MemoryStore(tmp_path / "s", embedder=embedder, index_hold_s=0.3)
-    second = MemoryStore(tmp_path / "s", embedder=embedder, index_hold_s=0.3)
+def test_two_stores_on_one_folder_see_each_others_writes(tmp_path, embedder):
+    """Each store has its own in-memory index, kept in step through the folder's log."""
+    first = MemoryStore(tmp_path / "s", embedder=embedder)
+    second = MemoryStore(tmp_path / "s", embedder=embedder)
     record = first.add("The spare key is under the blue pot.", tenant="alice")
     assert first.search("where is the key", tenant="alice", k=1)[0].id == record.id
     assert second.search("where is the key", tenant="alice", k=1)[0].id == record.id
@@ -234,3 +236,85 @@ def test_two_stores_on_one_folder_share_the_index(tmp_path, embedder):
     assert first.search("where is the key", tenant="alice", k=1)[0].text == "The spare key is with the neighbour."
     first.close()
     second.close()
+
+
+def test_racing_supersedes_publish_exactly_one_writer(backend, tmp_path, request):
+    """200 times, two threads supersede one memory at once: one wins, the other is told and leaves no trace."""
+    import json
+    import sys
+    import threading
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from store_worker import HashEmbedder
+
+    from kvshift_memory.exceptions import VersionConflictError
+
+    embedder = HashEmbedder()  # deterministic: an embedding can be checked against its text
+    if backend == "redis":
+        import redis
+
+        url = request.getfixturevalue("redis_url")
+        redis.Redis.from_url(url).flushdb()
+        store = MemoryStore(kv_url=url, index_url=":memory:", embedder=embedder)
+    elif backend == "disk":
+        store = MemoryStore(tmp_path / "s", embedder=embedder)
+    else:
+        store = MemoryStore(kv_url="memory://", index_url=":memory:", embedder=embedder)
+    for trial in range(200):
+        record = store.add(f"Trial {trial}: the door code is 1234.", tenant="alice")
+        start = threading.Barrier(2)
+        outcomes: dict[str, object] = {}
+
+        def write(text: str) -> None:
+            start.wait()
+            try:
+                outcomes[text] = store.supersede(record.id, text, tenant="alice", expected_version=1)
+            except VersionConflictError as exc:
+                outcomes[text] = exc
+
+        texts = [f"Trial {trial}: the door code is {code}." for code in ("5678", "9012")]
+        threads = [threading.Thread(target=write, args=(text,)) for text in texts]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        won = [text for text, outcome in outcomes.items() if not isinstance(outcome, Exception)]
+        assert len(won) == 1, outcomes
+        (refused,) = set(texts) - set(won)
+        assert store.get(record.id, tenant="alice").text == won[0]
+        assert [r.text for r in store.history(record.id, tenant="alice")] == [record.text, won[0]]
+        stored = [json.loads(store.tier.get(key))["text"] for key in store.tier.scan(f"r/alice/{record.id}/")]
+        assert refused not in stored, "a refused writer's text is stored"
+        (embedding_key,) = store.tier.scan(f"e/alice/{record.id}/2/")
+        assert store.tier.get(embedding_key)[32:] == np.asarray(embedder.embed([won[0]])[0], dtype="<f4").tobytes()
+    assert store.check().ok
+    store.close()
+
+
+def test_a_stale_expected_version_is_refused_and_changes_nothing(make_store):
+    from kvshift_memory.exceptions import VersionConflictError
+
+    store = make_store()
+    record = store.add("The budget is 50k.", tenant="alice")
+    store.supersede(record.id, "The budget is 70k.", tenant="alice", expected_version=1)
+    with pytest.raises(VersionConflictError, match="version 2, not 1"):
+        store.supersede(record.id, "The budget is 60k.", tenant="alice", expected_version=1)
+    assert [r.text for r in store.history(record.id, tenant="alice")] == ["The budget is 50k.", "The budget is 70k."]
+    for bad in (0, -1, "2", 2.0, True):
+        with pytest.raises(InvalidInputError):
+            store.supersede(record.id, "x", tenant="alice", expected_version=bad)
+
+
+def test_check_finds_an_embedding_planted_from_another_text(make_store):
+    store = make_store()
+    target = store.add("The spare key is under the blue pot.", tenant="alice")
+    other = store.add("My sister lives in Porto.", tenant="alice")
+    (target_key,) = store.tier.scan(f"e/alice/{target.id}/1/")
+    (other_key,) = store.tier.scan(f"e/alice/{other.id}/1/")
+    store.tier.set(target_key, store.tier.get(other_key))
+    report = store.check()
+    assert any(target.id in p and "another text" in p for p in report.problems)
+    assert any(target.id in r for r in report.repaired)
+    assert store.check().problems == []
+    assert store.search("where is the spare key", tenant="alice", k=1)[0].id == target.id

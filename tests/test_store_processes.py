@@ -110,3 +110,34 @@ def test_concurrent_writers_and_readers(shared_url):
         probe = report["added"][123]
         assert probe["id"] in [hit.id for hit in store.search(probe["text"], tenant=f"tenant{i}", k=5)]
     store.close()
+
+
+def test_two_processes_superseding_one_memory_publish_one_writer_per_version(shared_url):
+    store = open_store(shared_url)
+    record = store.add("The door code is 1234.", tenant="alice")
+    start = str(time.time() + 3.0)  # after both children have opened the store
+    children = [
+        subprocess.Popen(
+            [sys.executable, WORKER, "supersede-race", shared_url, "alice", record.id, "150", name, start],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for name in ("left", "right")
+    ]
+    outcomes = [json.loads(child.communicate(timeout=300)[0]) for child in children]
+    won = {o["version"]: o["text"] for side in outcomes for o in side if o["version"] is not None}
+    refused = {o["text"] for side in outcomes for o in side if o["version"] is None}
+    successes = sum(o["version"] is not None for side in outcomes for o in side)
+    assert successes == len(won), "two writers were both told they published one version"
+    assert refused, "the processes never raced: the test proves nothing"
+    history = store.history(record.id, tenant="alice")
+    assert [r.version for r in history] == list(range(1, len(won) + 2))
+    assert {r.version: r.text for r in history[1:]} == won  # every version is its one successful writer's
+    stored = {stored_text(store, key) for key in store.tier.scan(f"r/alice/{record.id}/")}
+    assert not stored & refused, "a refused writer's text is stored"
+    assert store.check().ok
+    store.close()
+
+
+def stored_text(store: MemoryStore, key: str) -> str:
+    return json.loads(store.tier.get(key))["text"]

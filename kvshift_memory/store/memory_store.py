@@ -3,19 +3,22 @@
 Layout in the KV tier (every key component percent-encoded; ``t`` tenant, ``m`` memory id):
 
 ===================  ====================================================================
-``h/t/m``            the head: current version, and whether the memory was deleted
-``r/t/m/v``          version ``v``'s record (JSON; immutable once written)
-``e/t/m/v``          version ``v``'s embedding (float32, little-endian)
+``h/t/m``            the head: current version ``v``, its writer ``w``, whether deleted
+``r/t/m/v/w``        version ``v``'s record as writer ``w`` wrote it (JSON; immutable)
+``e/t/m/v/w``        its embedding (the text's SHA-256, then float32, little-endian)
+``p/t/m/v``          the writer whose version ``v`` was published (for every ``v`` below the head's)
 ``f/t/m/v/variant``  a KV fragment blob of version ``v`` (one per model and codec: ``variant``)
 ``x/t/hash``         the memory id of a text hash (the design's second path: text -> fragment)
 ``ac/t/m``           access count; ``al/t/m``: last access time
 ``log``              the change log the index replays
 ===================  ====================================================================
 
-Writes go data first, head last: a reader that finds a head always finds its record, and data
-without a head is garbage :meth:`MemoryStore.gc` collects. The head moves only by
-compare-and-set, so two writers can never both supersede the same version. Nothing here holds a
-lock across processes (DESIGN §8), and nothing imports torch: the store moves bytes.
+Every write of a version goes under a key of its own writer (a random token), data first and
+head last: two writers superseding one version write to different keys, and only the one whose
+compare-and-set on the head wins is ever read; the other removes what it wrote and is told
+:class:`VersionConflictError` (a writer killed in between leaves data no head names, which
+:meth:`MemoryStore.gc` collects). A reader that finds a head always finds its record. Nothing here
+holds a lock across processes (DESIGN §8), and nothing imports torch: the store moves bytes.
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ logger = logging.getLogger("kvshift_memory.store")
 
 _LOG = "log"
 _VARIANT = re.compile(r"[0-9a-f]{8,64}")
+_WRITER = re.compile(r"[0-9a-f]{32}")
 # Data without a head younger than this may be an add in progress in another process.
 _ORPHAN_GRACE_S = 60.0
 MAX_SEARCH_K = 1000
@@ -91,10 +95,14 @@ def _split(key: str) -> list[str]:
 class MemoryStore:
     """Memories of many tenants: texts, versions, an index to find them, and their KV fragments.
 
-    ``MemoryStore(path)`` keeps everything in one folder (a ``diskcache`` tier and a local Qdrant
-    index). ``MemoryStore(kv_url="redis://…", index_url="http://…")`` shares one memory between
-    processes and machines; without ``index_url`` the index is rebuilt in each process from the
-    tier's log.
+    ``MemoryStore(path)`` keeps everything in one folder (a ``diskcache`` tier, and the snapshot
+    each process's in-memory Qdrant index starts from). ``MemoryStore(kv_url="redis://…",
+    index_url="http://…")`` shares one memory between processes and machines; without
+    ``index_url`` the index is rebuilt in each process from the tier's log.
+
+    What the store reads from its folder or tier is untrusted input: nothing is unpickled, no
+    path leads out of the folder, and a record, embedding or blob that fails its checks is
+    refused or rebuilt (``docs/security.md``).
 
     :param path: folder of the embedded store (``path/kv`` and ``path/index``).
     :param kv_url: ``memory://``, ``redis://…``, a folder or ``file://…`` (default ``path/kv``).
@@ -103,10 +111,8 @@ class MemoryStore:
     :param codec: how fragments are stored: ``int8`` (default, see the README's store benchmark),
         ``int4``, ``fp16`` or ``fp32``; ``group_size`` is int4's.
     :param hot_bytes: bound on the fragment blobs this process keeps in RAM in front of the tier.
-    :param index_hold_s: an index folder stays open this long after a search, so a burst of
-        searches opens it once (42 ms a search instead of 134 ms at 2000 memories, README); meanwhile
-        another process sharing the folder waits. Stores of one process share a folder's client
-        (the first one opened sets the hold).
+    :param lock_timeout_s: how long a write waits for the folder's lock while another process
+        writes; past it, :class:`StoreBusyError` (nothing written).
     :param keyword_weight: how much the keyword path adds to a hit's score (a hit's ``score`` is
         its cosine similarity plus this times its IDF-weighted keyword overlap); ``0`` searches by
         embedding alone. The default comes from ``benchmarks/locomo.py`` (see the README).
@@ -123,7 +129,7 @@ class MemoryStore:
         codec: str = "int8",
         group_size: int = 32,
         hot_bytes: int = 256 << 20,
-        index_hold_s: float = 2.0,
+        lock_timeout_s: float = 30.0,
         keyword_weight: float = 0.05,
     ) -> None:
         if path is None and kv_url is None:
@@ -132,8 +138,8 @@ class MemoryStore:
             raise InvalidInputError(f"path must be a folder path, got {type(path).__name__}")
         check_codec(codec, group_size)
         inputs.check_non_negative_int(hot_bytes, "hot_bytes")
-        if isinstance(index_hold_s, bool) or not isinstance(index_hold_s, (int, float)) or not 0 <= index_hold_s <= 3600:
-            raise InvalidInputError(f"index_hold_s must be a number of seconds in [0, 3600], got {index_hold_s!r}")
+        if isinstance(lock_timeout_s, bool) or not isinstance(lock_timeout_s, (int, float)) or not 0 < lock_timeout_s <= 3600:
+            raise InvalidInputError(f"lock_timeout_s must be a number of seconds in (0, 3600], got {lock_timeout_s!r}")
         if isinstance(keyword_weight, bool) or not isinstance(keyword_weight, (int, float)) or not 0 <= keyword_weight <= 10:
             raise InvalidInputError(f"keyword_weight must be a number in [0, 10], got {keyword_weight!r}")
         self.keyword_weight = float(keyword_weight)
@@ -143,7 +149,7 @@ class MemoryStore:
                 Path(path).mkdir(parents=True, exist_ok=True)
             except OSError as exc:
                 raise StoreError(f"cannot use {os.fspath(path)!r} as a store folder: {exc}") from exc
-        self.tier: KVTier = open_tier(kv_url if kv_url is not None else Path(path) / "kv")
+        self.tier: KVTier = open_tier(kv_url if kv_url is not None else Path(path) / "kv", lock_timeout_s=float(lock_timeout_s))
         self._hot = HotTier(hot_bytes)
         if embedder is None:
             from ..embedding import MiniLMEmbedder  # torch-backed, so only when no embedder is given
@@ -151,7 +157,7 @@ class MemoryStore:
             embedder = MiniLMEmbedder()
         self.embedder = embedder
         location = index_url if index_url is not None else (Path(path) / "index" if path is not None else ":memory:")
-        self.index = QdrantIndex(location, int(embedder.dimension), str(embedder.name), hold_s=float(index_hold_s))
+        self.index = QdrantIndex(location, int(embedder.dimension), str(embedder.name))
         self.corrupt_fragments = 0
 
     # ---------------------------------------------------------------- public API
@@ -188,7 +194,7 @@ class MemoryStore:
             semantic_keywords=keywords,
             expires_at=_expiry(ttl_s, now),
         )
-        self._write_version(record, expected_head=None)
+        self._write_version(record, None, None)
         return replace(record, fragment_source=self)
 
     def get(self, memory_id: str, *, tenant: str) -> MemoryRecord | None:
@@ -237,20 +243,34 @@ class MemoryStore:
                 break
         return found
 
-    def supersede(self, memory_id: str, new_text: str, *, tenant: str) -> MemoryRecord:
+    def supersede(
+        self, memory_id: str, new_text: str, *, tenant: str, expected_version: int | None = None
+    ) -> MemoryRecord:
         """Replace a memory's text by a new version; the old one stays in :meth:`history`.
 
+        Of writers superseding the same version at once, exactly one succeeds; every other one is
+        told :class:`VersionConflictError` and leaves nothing behind.
+
+        :param expected_version: the version the caller read; when given and no longer live, the
+            call is refused, so a correction never lands on a text its author did not see.
         :returns: the new record: same id, version + 1.
         :raises MemoryNotFoundError: no live memory with that id for ``tenant``.
-        :raises VersionConflictError: another writer changed it first.
-        :raises InvalidInputError: bad text or ids.
+        :raises VersionConflictError: another writer changed it first, or ``expected_version`` is stale.
+        :raises InvalidInputError: bad text, ids or ``expected_version``.
         """
         tenant, _ = self._ids(tenant, None)
         memory_id = inputs.check_identifier(memory_id, "memory_id")
         new_text = inputs.check_text(new_text, "new_text")
-        old = self._live(tenant, memory_id)
-        if old is None:
+        if expected_version is not None:
+            expected_version = inputs.check_positive_int(expected_version, "expected_version")
+        raw_head, head = self._read_head(tenant, memory_id)
+        old = self._live_at(tenant, memory_id, head)
+        if old is None or head is None:
             raise MemoryNotFoundError(f"no live memory {memory_id!r} for tenant {tenant!r}")
+        if expected_version is not None and old.version != expected_version:
+            raise VersionConflictError(
+                f"memory {memory_id!r} is at version {old.version}, not {expected_version}; read it again"
+            )
         record = replace(
             old,
             version=old.version + 1,
@@ -261,7 +281,7 @@ class MemoryStore:
             score=None,
             fragment_source=None,
         )
-        self._write_version(record, expected_head=_head(old.version))
+        self._write_version(record, raw_head, head)
         return replace(record, fragment_source=self)
 
     def delete(self, memory_id: str, *, tenant: str) -> bool:
@@ -272,12 +292,11 @@ class MemoryStore:
         """
         tenant, _ = self._ids(tenant, None)
         memory_id = inputs.check_identifier(memory_id, "memory_id")
-        raw = self.tier.get(_k("h", tenant, memory_id))
-        head = _parse_head(raw)
+        raw, head = self._read_head(tenant, memory_id)
         if head is None or head["deleted"]:
             return False
         self.tier.append(_LOG, _log_entry(tenant, memory_id))
-        if not self.tier.compare_and_set(_k("h", tenant, memory_id), raw, _head(head["v"], deleted=True)):
+        if not self.tier.compare_and_set(_k("h", tenant, memory_id), raw, _head(head["v"], head["w"], deleted=True)):
             raise VersionConflictError(f"memory {memory_id!r} changed while being deleted; try again")
         return True
 
@@ -293,7 +312,8 @@ class MemoryStore:
             raise MemoryNotFoundError(f"no live memory {memory_id!r} for tenant {tenant!r}")
         versions = []
         for version in range(1, live.version):
-            record = self._read_record(tenant, memory_id, version)
+            writer = self._published_writer(tenant, memory_id, version)
+            record = self._read_record(tenant, memory_id, version, writer) if writer else None
             if record is not None:
                 versions.append(replace(record, status="superseded", fragment_source=self))
         return [*versions, self._with_access(live)]
@@ -315,9 +335,11 @@ class MemoryStore:
         """Free what no live memory uses.
 
         Erases deleted and expired memories (text, vectors, fragments), fragments and vectors of
-        superseded versions (their text stays, for :meth:`history`), data an interrupted add
-        left without a head, and, when ``keep_model_fingerprint`` is given, fragments of other
+        superseded versions (their text stays, for :meth:`history`), data that writers killed
+        mid-write left behind, and, when ``keep_model_fingerprint`` is given, fragments of other
         models (stale: they would never be used again).
+
+        :raises StoreError: the tier failed.
         """
         report = GCReport()
         now = time.time()
@@ -329,23 +351,16 @@ class MemoryStore:
         for (tenant, memory_id), head in heads.items():
             if head is None or head.get("erased"):
                 continue
-            live = None if head["deleted"] else self._read_record(tenant, memory_id, head["v"])
+            live = None if head["deleted"] else self._read_record(tenant, memory_id, head["v"], head["w"])
             if head["deleted"] or (live is not None and live.is_expired(now)):
                 heads[(tenant, memory_id)] = self._erase(tenant, memory_id, head, report)
-        for prefix in ("r/", "e/", BLOB_PREFIX):
+        for prefix in ("r/", "e/", "p/", BLOB_PREFIX):
             for key in list(self.tier.scan(prefix)):
                 parts = _split(key)
-                if len(parts) < 4 or not parts[3].isdigit():
+                if len(parts) != (4 if prefix == "p/" else 5) or not parts[3].isdigit():
                     self._free(key, report)
                     continue
-                tenant, memory_id, version = parts[1], parts[2], int(parts[3])
-                head = heads.get((tenant, memory_id))
-                if head is None:
-                    if self._orphan_is_old(tenant, memory_id, now):
-                        self._free(key, report)
-                elif head.get("erased") or head["deleted"]:
-                    self._free(key, report)
-                elif prefix != "r/" and version != head["v"]:
+                if not self._in_use(prefix, parts, heads.get((parts[1], parts[2])), now):
                     self._free(key, report)
                 elif prefix == BLOB_PREFIX and keep_model_fingerprint is not None:
                     raw = self.tier.get(key)
@@ -353,18 +368,39 @@ class MemoryStore:
                         self._free(key, report)
         return report
 
+    def _in_use(self, prefix: str, parts: list[str], head: dict | None, now: float) -> bool:
+        """Whether gc keeps the data under a key (split into ``parts``) of a memory whose head is ``head``."""
+        tenant, memory_id, version = parts[1], parts[2], int(parts[3])
+        if head is not None and head["deleted"]:
+            return False
+        if prefix == "p/":
+            return head is not None and version < head["v"]
+        if prefix == BLOB_PREFIX:
+            return head is not None and version == head["v"]
+        writer = parts[4]
+        if head is not None and version <= head["v"]:
+            published = head["w"] if version == head["v"] else self._published_writer(tenant, memory_id, version)
+            # superseded versions keep their text (history), not their embedding
+            return writer == published and (prefix == "r/" or version == head["v"])
+        # no head names it yet: a write in flight (the first version, or the next one), or abandoned
+        in_flight = version == (head["v"] + 1 if head is not None else 1)
+        return in_flight and not self._abandoned(tenant, memory_id, version, writer, now)
+
     def check(self) -> CheckReport:
         """Verify every live memory and fragment, repair what can be rebuilt, and say what was found.
 
-        Corrupt fragment blobs are dropped (they are re-encoded from text on next use); the index
-        is reconciled with the records. A live memory whose record is missing or damaged cannot
-        be rebuilt and makes ``ok`` false.
+        Corrupt fragment blobs are dropped (they are re-encoded from text on next use), an
+        embedding that is missing, damaged or another text's is computed again, and the index is
+        reconciled with the records. A live memory whose record is missing or damaged cannot be
+        rebuilt and makes ``ok`` false.
+
+        :raises StoreError: the tier failed.
         """
         report = CheckReport(ok=True, memories=0, fragments=0)
         live_ids = []
         for key in list(self.tier.scan("h/")):
             parts = _split(key)
-            head = _parse_head(self.tier.get(key))
+            head = _parse_head(self._get_or_report(key, report))
             if len(parts) != 3 or head is None:
                 report.problems.append(f"unreadable head {key!r}")
                 report.ok = False
@@ -375,7 +411,7 @@ class MemoryStore:
                 continue
             report.memories += 1
             try:
-                record = MemoryRecord.from_json(self.tier.get(_k("r", tenant, memory_id, head["v"])) or b"")
+                record = MemoryRecord.from_json(self.tier.get(_k("r", tenant, memory_id, head["v"], head["w"])) or b"")
             except StoreError as exc:
                 report.problems.append(f"memory {memory_id} of {tenant!r}: {exc}")
                 report.ok = False
@@ -383,24 +419,28 @@ class MemoryStore:
             if record.id != memory_id or record.tenant != tenant or record.version != head["v"]:
                 report.problems.append(f"memory {memory_id} of {tenant!r}: record names {record.tenant}/{record.id}")
                 report.ok = False
-            if _unpack_vector(self.tier.get(_k("e", tenant, memory_id, head["v"])), self.index.dimension) is None:
-                problem = f"memory {memory_id} of {tenant!r}: embedding missing or damaged"
+                continue
+            embedding_key = _k("e", tenant, memory_id, head["v"], head["w"])
+            embedding = _unpack_embedding(self._get_or_report(embedding_key, report), self.index.dimension)
+            if embedding is None or embedding[0] != record.source_text_hash:
+                state = "missing or damaged" if embedding is None else "computed from another text"
+                problem = f"memory {memory_id} of {tenant!r}: embedding {state}"
                 report.problems.append(problem)
-                self.tier.set(_k("e", tenant, memory_id, head["v"]), _pack_vector(self.embedder.embed([record.text])[0]))
-                report.repaired.append(problem)
+                vector = self.embedder.embed([record.text])[0]
+                self.tier.set(embedding_key, _pack_embedding(record.source_text_hash, vector))
+                report.repaired.append(f"{problem} (embedded again)")
         for key in list(self.tier.scan(BLOB_PREFIX)):
             parts = _split(key)
             report.fragments += 1
-            raw = self.tier.get(key)
             try:
-                metadata = verify_blob(raw or b"")
+                metadata = verify_blob(self.tier.get(key) or b"")
                 if len(parts) != 5 or (metadata.get("tenant"), metadata.get("memory_id"), metadata.get("version")) != (
                     parts[1],
                     parts[2],
                     parts[3],
                 ):
                     raise CorruptFragmentError("blob is stored under another memory's key")
-            except CorruptFragmentError as exc:
+            except StoreError as exc:  # a corrupt blob, or a row the tier refuses to read
                 problem = f"fragment {key!r}: {exc}"
                 report.problems.append(problem)
                 self.tier.delete(key)
@@ -411,6 +451,14 @@ class MemoryStore:
             report.problems.append(f"index held {strays} points of no memory")
             report.repaired.append(f"removed {strays} stray index points")
         return report
+
+    def _get_or_report(self, key: str, report: CheckReport) -> bytes | None:
+        """A key's value, or ``None`` (the problem noted) when the tier refuses to read its row."""
+        try:
+            return self.tier.get(key)
+        except StoreError as exc:
+            report.problems.append(f"{key!r}: {exc}")
+            return None
 
     def stats(self, *, model_fingerprint: str | None = None) -> dict[str, Any]:
         """Counts and sizes: memories (live, superseded versions, deleted), fragments and their
@@ -539,21 +587,34 @@ class MemoryStore:
             session_id = inputs.check_identifier(session_id, "session_id")
         return tenant, session_id
 
-    def _write_version(self, record: MemoryRecord, expected_head: bytes | None) -> None:
-        """Data first (embedding, record, log intent, text hash), head last, by compare-and-set."""
+    def _write_version(self, record: MemoryRecord, expected_raw: bytes | None, previous: dict | None) -> None:
+        """Data under this writer's own keys first, head last by compare-and-set; a refused
+        writer removes its data again, so no version ever holds a text whose writer was refused.
+
+        :param expected_raw: the head as read (``None``: the memory must not exist yet).
+        :param previous: that head, parsed (``None`` for a new memory).
+        """
         tenant, memory_id, version = record.tenant, record.id, record.version
+        writer = uuid.uuid4().hex
         vector = self.embedder.embed([record.text])[0]
         if len(vector) != self.index.dimension:
             raise StoreError(f"the embedder returned {len(vector)} dimensions, not {self.index.dimension}")
-        self.tier.set(_k("e", tenant, memory_id, version), _pack_vector(vector))
-        self.tier.set(_k("r", tenant, memory_id, version), record.to_json())
+        data_keys = (_k("e", tenant, memory_id, version, writer), _k("r", tenant, memory_id, version, writer))
+        self.tier.set(data_keys[0], _pack_embedding(record.source_text_hash, vector))
+        self.tier.set(data_keys[1], record.to_json())
+        if previous is not None:
+            # every writer past ``previous`` writes the same value: idempotent, and set before the head moves
+            self.tier.set(_k("p", tenant, memory_id, previous["v"]), previous["w"].encode())
         self.tier.append(_LOG, _log_entry(tenant, memory_id))
-        self.tier.set(_k("x", tenant, record.source_text_hash), memory_id.encode())
-        if not self.tier.compare_and_set(_k("h", tenant, memory_id), expected_head, _head(version)):
+        if not self.tier.compare_and_set(_k("h", tenant, memory_id), expected_raw, _head(version, writer)):
+            for key in data_keys:
+                self.tier.delete(key)
             raise VersionConflictError(f"memory {memory_id!r} changed while being written; read it again")
+        # after the head: a refused writer must not point a text at this memory (find_by_hash checks anyway)
+        self.tier.set(_k("x", tenant, record.source_text_hash), memory_id.encode())
 
-    def _read_record(self, tenant: str, memory_id: str, version: int) -> MemoryRecord | None:
-        raw = self.tier.get(_k("r", tenant, memory_id, version))
+    def _read_record(self, tenant: str, memory_id: str, version: int, writer: str) -> MemoryRecord | None:
+        raw = self.tier.get(_k("r", tenant, memory_id, version, writer))
         if raw is None:
             return None
         try:
@@ -566,11 +627,23 @@ class MemoryStore:
             return None
         return record
 
+    def _published_writer(self, tenant: str, memory_id: str, version: int) -> str | None:
+        """The writer whose version ``version`` (below the head's) was published."""
+        raw = self.tier.get(_k("p", tenant, memory_id, version))
+        writer = raw.decode("ascii", "replace") if raw else ""
+        return writer if _WRITER.fullmatch(writer) else None
+
+    def _read_head(self, tenant: str, memory_id: str) -> tuple[bytes | None, dict | None]:
+        raw = self.tier.get(_k("h", tenant, memory_id))
+        return raw, _parse_head(raw)
+
     def _live(self, tenant: str, memory_id: str) -> MemoryRecord | None:
-        head = _parse_head(self.tier.get(_k("h", tenant, memory_id)))
+        return self._live_at(tenant, memory_id, self._read_head(tenant, memory_id)[1])
+
+    def _live_at(self, tenant: str, memory_id: str, head: dict | None) -> MemoryRecord | None:
         if head is None or head["deleted"]:
             return None
-        record = self._read_record(tenant, memory_id, head["v"])
+        record = self._read_record(tenant, memory_id, head["v"], head["w"])
         if record is None or record.is_expired(time.time()):
             return None
         return replace(record, fragment_source=self)
@@ -591,16 +664,17 @@ class MemoryStore:
         return self.tier.read_log(_LOG, start)
 
     def _index_state(self, tenant: str, memory_id: str) -> IndexedState | None:
-        head = _parse_head(self.tier.get(_k("h", tenant, memory_id)))
+        head = self._read_head(tenant, memory_id)[1]
         if head is None:
             return None
         if head["deleted"]:
             return IndexedState(head["v"], None, None)
-        record = self._read_record(tenant, memory_id, head["v"])
-        vector = _unpack_vector(self.tier.get(_k("e", tenant, memory_id, head["v"])), self.index.dimension)
-        if record is None or vector is None:
+        record = self._read_record(tenant, memory_id, head["v"], head["w"])
+        embedding = _unpack_embedding(self.tier.get(_k("e", tenant, memory_id, head["v"], head["w"])), self.index.dimension)
+        # an embedding of another text is never indexed: check() re-embeds it
+        if record is None or embedding is None or embedding[0] != record.source_text_hash:
             return IndexedState(head["v"], None, None)
-        return IndexedState(head["v"], record.session_id, vector, memory_keywords(record))
+        return IndexedState(head["v"], record.session_id, embedding[1], memory_keywords(record))
 
     def _erase(self, tenant: str, memory_id: str, head: dict, report: GCReport) -> dict:
         """Tombstone a memory and return its new head; gc's one scan of records, vectors and blobs
@@ -609,9 +683,9 @@ class MemoryStore:
             self._free(key, report)
         self.tier.append(_LOG, _log_entry(tenant, memory_id))
         # the tombstone stays: it tells every index to drop the point, and ids are never reused
-        self.tier.set(_k("h", tenant, memory_id), _head(head["v"], deleted=True, erased=True))
+        self.tier.set(_k("h", tenant, memory_id), _head(head["v"], head["w"], deleted=True, erased=True))
         report.erased_memories += 1
-        return {"v": head["v"], "deleted": True, "erased": True}
+        return {**head, "deleted": True, "erased": True}
 
     def _free(self, key: str, report: GCReport) -> None:
         raw = self.tier.get(key) if key.startswith(BLOB_PREFIX) else None
@@ -622,16 +696,18 @@ class MemoryStore:
                 report.freed_bytes += len(raw)
         self._hot.delete(key)
 
-    def _orphan_is_old(self, tenant: str, memory_id: str, now: float) -> bool:
-        first = self._read_record(tenant, memory_id, 1)
-        return first is None or now - first.created_at > _ORPHAN_GRACE_S
+    def _abandoned(self, tenant: str, memory_id: str, version: int, writer: str, now: float) -> bool:
+        """Whether a write no head names is over (its writer was killed, or refused and killed
+        before it cleaned up), rather than in flight in another process."""
+        record = self._read_record(tenant, memory_id, version, writer)
+        return record is None or now - record.created_at > _ORPHAN_GRACE_S
 
 
 # ---------------------------------------------------------------- small encodings
 
 
-def _head(version: int, deleted: bool = False, erased: bool = False) -> bytes:
-    data: dict[str, Any] = {"v": version, "deleted": deleted}
+def _head(version: int, writer: str, deleted: bool = False, erased: bool = False) -> bytes:
+    data: dict[str, Any] = {"v": version, "w": writer, "deleted": deleted}
     if erased:
         data["erased"] = True
     return json.dumps(data, sort_keys=True).encode()
@@ -646,23 +722,29 @@ def _parse_head(raw: bytes | None) -> dict | None:
         return None
     if not isinstance(head, dict) or not isinstance(head.get("v"), int) or head["v"] < 1:
         return None
+    if not isinstance(head.get("w"), str) or not _WRITER.fullmatch(head["w"]):
+        return None
     head["deleted"] = bool(head.get("deleted"))
     return head
 
 
 def _log_entry(tenant: str, memory_id: str) -> bytes:
-    return json.dumps({"tenant": tenant, "id": memory_id}).encode()
+    # the nonce makes every entry unique, so an index can tell a log that went backwards (a tier
+    # restored from an older snapshot) from one that only grew
+    return json.dumps({"tenant": tenant, "id": memory_id, "n": uuid.uuid4().hex}).encode()
 
 
-def _pack_vector(vector: Sequence[float]) -> bytes:
-    return struct.pack(f"<{len(vector)}f", *vector)
+def _pack_embedding(source_text_hash: str, vector: Sequence[float]) -> bytes:
+    """The text's hash, then the vector: an embedding names the text it was computed from."""
+    return bytes.fromhex(source_text_hash) + struct.pack(f"<{len(vector)}f", *vector)
 
 
-def _unpack_vector(raw: bytes | None, dimension: int) -> list[float] | None:
-    if raw is None or len(raw) != 4 * dimension:
+def _unpack_embedding(raw: bytes | None, dimension: int) -> tuple[str, list[float]] | None:
+    """(text hash, vector), or ``None`` for a missing or damaged embedding."""
+    if raw is None or len(raw) != 32 + 4 * dimension:
         return None
-    vector = list(struct.unpack(f"<{dimension}f", raw))
-    return vector if all(math.isfinite(x) for x in vector) else None
+    vector = list(struct.unpack(f"<{dimension}f", raw[32:]))
+    return (raw[:32].hex(), vector) if all(math.isfinite(x) for x in vector) else None
 
 
 def _float_or_none(raw: bytes | None) -> float | None:

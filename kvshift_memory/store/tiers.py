@@ -14,7 +14,11 @@ atomic on its own, so no process holds a lock that another would wait on.
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
+import re
+import sqlite3
 import threading
 from collections import OrderedDict
 from collections.abc import Iterator
@@ -24,9 +28,11 @@ from urllib.parse import urlsplit
 import diskcache
 import diskcache.core
 
-from ..exceptions import InvalidInputError, StoreError
+from ..exceptions import InvalidInputError, StoreBusyError, StoreError
 
 __all__ = ["BLOB_PREFIX", "DiskTier", "HotTier", "KVTier", "RedisTier", "open_tier"]
+
+logger = logging.getLogger("kvshift_memory.store")
 
 # Keys under this prefix hold fragment blobs: derived data that may be evicted and rebuilt.
 BLOB_PREFIX = "f/"
@@ -157,9 +163,14 @@ class HotTier:
         pass
 
 
+# the only file names diskcache gives values it keeps in files (``Disk.filename``)
+_VALUE_FILE = re.compile(r"[0-9a-f]{2}/[0-9a-f]{2}/[0-9a-f]{28}\.val")
+
+
 class _BytesOnlyDisk(diskcache.Disk):
     """diskcache storage limited to str keys and bytes or int values, both ways: a tampered row can
-    never make it deserialise an object (diskcache would otherwise unpickle rows marked so)."""
+    never make it deserialise an object (diskcache would otherwise unpickle rows marked so), nor
+    read or delete a file outside the folder (a row names its value's file)."""
 
     def put(self, key):
         if not isinstance(key, str):
@@ -179,28 +190,67 @@ class _BytesOnlyDisk(diskcache.Disk):
     def fetch(self, mode, filename, value, read):
         if mode == diskcache.core.MODE_PICKLE:
             raise StoreError("refusing a pickled value in the disk tier")
+        if filename is not None and not self._inside(filename):
+            raise StoreError(f"refusing a disk tier row whose value file {filename!r} is not one of the folder's")
         return super().fetch(mode, filename, value, read)
+
+    def remove(self, file_path):
+        if self._inside(file_path):
+            super().remove(file_path)
+        else:  # the row goes (that heals the tier); a file it names outside the folder stays untouched
+            logger.warning("not removing %r: not a value file of the disk tier", file_path)
+
+    def _inside(self, filename: object) -> bool:
+        """Whether ``filename`` is a value file diskcache could have made here (links not followed out)."""
+        if not isinstance(filename, str) or not _VALUE_FILE.fullmatch(filename.replace(os.sep, "/")):
+            return False
+        folder = os.path.realpath(self._directory)
+        return os.path.realpath(os.path.join(folder, filename)).startswith(folder + os.sep)
 
 
 class DiskTier:
     """A ``diskcache`` folder shared safely by the processes of one machine.
 
+    Every operation is one SQLite statement or transaction; a writer waits at most ``lock_timeout_s``
+    for another process's transaction to end.
+
     :param path: the folder (created when missing).
+    :param lock_timeout_s: how long a write waits for the folder's lock.
+    :raises StoreError: the folder cannot be opened or its database is damaged.
     """
 
-    def __init__(self, path: str | os.PathLike) -> None:
+    def __init__(self, path: str | os.PathLike, lock_timeout_s: float = 30.0) -> None:
         self.url = f"file://{os.path.abspath(path)}"
-        try:
+        self.lock_timeout_s = lock_timeout_s
+        with self._errors("open"):
             # no size limit: diskcache would otherwise evict records, and a memory never loses what it was told
-            self._cache = diskcache.Cache(os.fspath(path), disk=_BytesOnlyDisk, size_limit=2**62, eviction_policy="none")
-        except (OSError, diskcache.core.sqlite3.Error) as exc:
-            raise StoreError(f"cannot open the disk tier at {path}: {exc}") from exc
+            self._cache = diskcache.Cache(
+                os.fspath(path), disk=_BytesOnlyDisk, timeout=lock_timeout_s, size_limit=2**62, eviction_policy="none"
+            )
+
+    @contextlib.contextmanager
+    def _errors(self, operation: str) -> Iterator[None]:
+        """diskcache's and SQLite's errors as the store's: busy past the timeout, or damaged."""
+        try:
+            yield
+        except diskcache.Timeout:
+            raise StoreBusyError(
+                f"the disk tier at {self.url} stayed locked for {self.lock_timeout_s} s ({operation})"
+            ) from None
+        except sqlite3.OperationalError as exc:
+            if "locked" in str(exc) or "busy" in str(exc):
+                raise StoreBusyError(f"the disk tier at {self.url} is locked ({operation}): {exc}") from None
+            raise StoreError(f"the disk tier at {self.url} failed ({operation}): {exc}") from None
+        except (sqlite3.DatabaseError, OSError) as exc:
+            raise StoreError(f"the disk tier at {self.url} is damaged or unreadable ({operation}): {exc}") from None
 
     def get(self, key: str) -> bytes | None:
-        return self._stored(self._cache.get(key, default=None, retry=True))
+        with self._errors("get"):
+            return self._stored(self._cache.get(key, default=None))
 
     def contains(self, key: str) -> bool:
-        return key in self._cache
+        with self._errors("contains"):
+            return key in self._cache
 
     @staticmethod
     def _stored(value: object) -> bytes | None:
@@ -211,42 +261,56 @@ class DiskTier:
         raise StoreError(f"the disk tier holds a {type(value).__name__} where bytes were written")
 
     def set(self, key: str, value: bytes) -> None:
-        self._cache.set(key, _as_bytes(value), retry=True)
+        value = _as_bytes(value)
+        with self._errors("set"):
+            self._cache.set(key, value)
 
     def compare_and_set(self, key: str, expected: bytes | None, value: bytes | None) -> bool:
-        with self._cache.transact(retry=True):
-            if self.get(key) != expected:
+        with self._errors("compare-and-set"), self._cache.transact():
+            if self._stored(self._cache.get(key, default=None)) != expected:
                 return False
             if value is None:
-                self._cache.delete(key, retry=True)
+                self._cache.delete(key)
             else:
-                self._cache.set(key, _as_bytes(value), retry=True)
+                self._cache.set(key, _as_bytes(value))
             return True
 
     def delete(self, key: str) -> bool:
-        return self._cache.delete(key, retry=True)
+        with self._errors("delete"):
+            return self._cache.delete(key)
 
     def incr(self, key: str) -> int:
-        return self._cache.incr(key, retry=True)
+        with self._errors("incr"):
+            return self._cache.incr(key)
 
     def append(self, log: str, value: bytes) -> int:
-        with self._cache.transact(retry=True):
-            index = self._cache.incr(f"{log}#", retry=True) - 1
-            self._cache.set(f"{log}@{index:012d}", _as_bytes(value), retry=True)
+        value = _as_bytes(value)
+        with self._errors("append"), self._cache.transact():
+            index = self._cache.incr(f"{log}#") - 1
+            self._cache.set(f"{log}@{index:012d}", value)
             return index
 
     def read_log(self, log: str, start: int) -> list[bytes]:
-        length = self._cache.get(f"{log}#", default=0, retry=True)
-        entries = []
-        for index in range(start, length):
-            value = self._cache.get(f"{log}@{index:012d}", retry=True)
-            if value is None:  # written in one transaction with the count, so only a damaged folder lacks it
-                raise StoreError(f"log {log!r} lacks entry {index}")
-            entries.append(self._stored(value))
-        return entries
+        with self._errors("read_log"):
+            length = self._cache.get(f"{log}#", default=0)
+            entries = []
+            for index in range(start, length):
+                value = self._cache.get(f"{log}@{index:012d}")
+                if value is None:  # written in one transaction with the count, so only a damaged folder lacks it
+                    raise StoreError(f"log {log!r} lacks entry {index}")
+                entries.append(self._stored(value))
+            return entries
 
     def scan(self, prefix: str) -> Iterator[str]:
-        return (key for key in self._cache.iterkeys() if isinstance(key, str) and key.startswith(prefix))
+        # one range query over str keys: rows of other key types (a pickled key planted by hand)
+        # are never read, and a scan does not walk every other key of the folder
+        query, bounds = "SELECT key FROM Cache WHERE raw = 1 AND typeof(key) = 'text'", ()
+        if prefix:
+            query += " AND key >= ? AND key < ?"
+            bounds = (prefix, prefix[:-1] + chr(ord(prefix[-1]) + 1))
+        with self._errors("scan"):
+            keys = [row[0] for row in self._cache._sql(query + " ORDER BY key", bounds)]  # noqa: SLF001
+        return iter(keys)
 
     def close(self) -> None:
         self._cache.close()
@@ -328,8 +392,10 @@ class RedisTier:
         self._client.close()
 
 
-def open_tier(url: str | os.PathLike) -> KVTier:
+def open_tier(url: str | os.PathLike, *, lock_timeout_s: float = 30.0) -> KVTier:
     """A tier for ``url``: ``memory://``, ``redis://…``/``rediss://…``, ``file://PATH`` or a folder path.
+
+    :param lock_timeout_s: how long a folder's writer waits for another's lock (:class:`DiskTier`).
 
     :raises InvalidInputError: an unknown scheme.
     :raises StoreError: the backend cannot be opened.
@@ -341,7 +407,7 @@ def open_tier(url: str | os.PathLike) -> KVTier:
     if scheme in ("redis", "rediss", "unix"):
         return RedisTier(text)
     if scheme == "file":
-        return DiskTier(text[len("file://") :])
+        return DiskTier(text[len("file://") :], lock_timeout_s)
     if scheme:
         raise InvalidInputError(f"unknown store URL scheme {scheme!r}: use a folder, file://, memory:// or redis://")
-    return DiskTier(text)
+    return DiskTier(text, lock_timeout_s)
