@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import unicodedata
 from collections.abc import Sequence
 from typing import Any
 
@@ -45,10 +46,15 @@ def check_text(text: Any, what: str, allow_empty: bool = False) -> str:
 
 
 def check_identifier(value: Any, name: str) -> str:
-    """A tenant, session or memory id: 1-256 printable characters.
+    """A tenant, session or memory id: 1-256 printable characters, in Unicode's NFC form.
 
-    :raises InvalidInputError: not a str, empty, too long, or holding control characters or
-        lone surrogates.
+    NFC is what makes ``"José"`` typed on two keyboards (composed ``é`` or ``e`` plus an accent)
+    one tenant, not two; leading or trailing whitespace is refused rather than stripped, so
+    ``"alice "`` never silently becomes someone's namespace.
+
+    :returns: the id in NFC form.
+    :raises InvalidInputError: not a str, empty, too long, blank at either end, or holding
+        control characters or lone surrogates.
     """
     if not isinstance(value, str):
         raise InvalidInputError(f"{name} must be a str, got {type(value).__name__}")
@@ -56,6 +62,11 @@ def check_identifier(value: Any, name: str) -> str:
         raise InvalidInputError(f"{name} must hold 1 to 256 characters, got {len(value)}")
     if not value.isprintable():  # also refuses lone surrogates
         raise InvalidInputError(f"{name} may only hold printable characters, got {value!r}")
+    if value != value.strip():
+        raise InvalidInputError(f"{name} may not begin or end with whitespace, got {value!r}")
+    value = unicodedata.normalize("NFC", value)
+    if len(value) > 256:
+        raise InvalidInputError(f"{name} must hold 1 to 256 characters, got {len(value)}")
     return value
 
 

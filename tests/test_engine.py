@@ -653,3 +653,23 @@ def test_a_prefix_already_cached_is_not_cached_twice(tiny_engine):
     grown = len(tiny_engine._prefixes)
     tiny_engine.generate("Hello?", max_new_tokens=2, reuse="prefix")  # the same prompt and answer again
     assert len(tiny_engine._prefixes) == grown
+
+
+def test_fragments_and_prefixes_serve_only_their_namespace(tiny_engine, tmp_path, embedder):
+    from kvshift_memory import MemoryStore
+
+    store = MemoryStore(tmp_path / "s", embedder=embedder)
+    record = store.add("Alice's door code is 4719.", tenant="alice")
+    tiny_engine.clear_cache()
+    assert tiny_engine.warm([record], namespace="alice") == 1
+    question = "What is the door code?"
+    other = tiny_engine.generate(question, [record.text], reuse="blend", max_new_tokens=1, namespace="bob").stats
+    assert (other.fragments_hit, other.reused_tokens) == (0, 0)  # bob's first call reuses nothing of alice's
+    own = tiny_engine.generate(question, [record.text], reuse="blend", max_new_tokens=1, namespace="alice").stats
+    assert own.fragments_hit == 1 and own.reused_tokens > 0
+    assert tiny_engine.warm([record.text], namespace="bob") == 1  # encoded again for bob, not served from alice's pool
+    assert tiny_engine.warm([record.text], namespace="alice") == 0
+    for bad in ("", " alice", 3, "a\n"):
+        with pytest.raises(InvalidInputError):
+            tiny_engine.generate(question, namespace=bad)
+    store.close()

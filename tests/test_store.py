@@ -318,3 +318,21 @@ def test_check_finds_an_embedding_planted_from_another_text(make_store):
     assert any(target.id in r for r in report.repaired)
     assert store.check().problems == []
     assert store.search("where is the spare key", tenant="alice", k=1)[0].id == target.id
+
+
+def test_tenant_ids_are_one_per_spelling_and_blank_ends_are_refused(make_store):
+    import unicodedata
+
+    store = make_store()
+    composed, decomposed = unicodedata.normalize("NFC", "José"), unicodedata.normalize("NFD", "José")
+    assert composed != decomposed
+    record = store.add("I live in Braga.", tenant=decomposed)
+    assert record.tenant == composed
+    assert store.get(record.id, tenant=composed).text == "I live in Braga."
+    assert store.search("where do I live", tenant=composed, k=1)[0].id == record.id
+    for tenant in (" ", "alice ", " alice", "\talice", "ali\nce"):
+        with pytest.raises(InvalidInputError):
+            store.add("A fact.", tenant=tenant)
+        with pytest.raises(InvalidInputError):
+            store.search("a fact", tenant=tenant)
+    assert store.stats()["memories"] == 1

@@ -362,6 +362,7 @@ class AgentMemory:
                 recompute_ratio=self.settings.recompute_ratio,
                 max_new_tokens=max_new_tokens,
                 stream=True,
+                namespace=self.user_id,
             )
         except BaseException:
             self._release()
@@ -421,7 +422,7 @@ class AgentMemory:
 
     def _warm(self, records: Sequence[Any]) -> None:
         # recalled memories go into user messages, never where a lead fragment is read
-        self.engine.warm(list(records), self._system_messages() or None, lead_fragments=False)
+        self.engine.warm(list(records), self._system_messages() or None, lead_fragments=False, namespace=self.user_id)
 
     def _visible(self, turns: Sequence[_Turn]) -> set[tuple[str, int]]:
         """(id, version) of the memories whose text the window already shows."""
@@ -460,7 +461,8 @@ class AgentMemory:
 
     def _supersede(self, target: Any, text: str) -> Any:
         """Store ``text`` as the new version of ``target``; no window turn shows the old one any more."""
-        new = self.store.supersede(target.id, text, tenant=self.user_id)
+        # the version the correction was aimed at: a text changed meanwhile is not overwritten
+        new = self.store.supersede(target.id, text, tenant=self.user_id, expected_version=target.version)
         self._window = [_without(turn, target) for turn in self._window]
         return new
 

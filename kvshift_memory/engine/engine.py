@@ -125,6 +125,7 @@ _SHARED_LOCK = threading.Lock()
 
 @dataclass(eq=False)
 class _PrefixEntry:
+    namespace: str
     token_ids: torch.Tensor
     kv: list[tuple[torch.Tensor, torch.Tensor]]
     exact_length: int
@@ -286,6 +287,7 @@ class KVShiftEngine:
         stream: bool = False,
         fragments_after: str | None = None,
         encode_context: str | None = None,
+        namespace: str | None = None,
     ) -> GenerationResult | GenerationStream:
         """Answer ``messages`` with ``memories`` in the system message.
 
@@ -311,6 +313,10 @@ class KVShiftEngine:
             sample of the user's own earlier conversation: see the README); with
             ``settings.match_speakers`` its speakers that a memory lacks take that memory's names.
             Give :meth:`warm` the same, or every fragment is encoded again here.
+        :param namespace: whose call this is (the tenant): K/V is reused only from earlier calls of
+            the same namespace, so neither the answer's speed nor ``stats`` tells one tenant what
+            another has sent. Calls without one share the default namespace; a server for several
+            users passes each user's id (:class:`AgentMemory` and the framework adapters do).
         :returns: a :class:`GenerationResult` (text, token ids, stats, finish reason).
         :raises InvalidInputError: bad messages, memories or parameters.
         :raises ContextOverflowError: the prompt plus ``max_new_tokens`` exceeds the context window.
@@ -322,7 +328,7 @@ class KVShiftEngine:
         inputs.check_sampling(temperature, top_p, top_k, seed)
         stops = inputs.check_stop(stop)
         layout, mode, ratio, requested, fallback = self._plan(
-            messages, memories, reuse, recompute_ratio, max_new_tokens, fragments_after, encode_context
+            messages, memories, reuse, recompute_ratio, max_new_tokens, fragments_after, encode_context, namespace
         )
         sampling = (float(temperature), float(top_p), int(top_k), seed)
         steps = self._generate_steps(layout, mode, ratio, requested, fallback, max_new_tokens, sampling, stops, started)
@@ -344,6 +350,7 @@ class KVShiftEngine:
         return_distributions: bool = False,
         fragments_after: str | None = None,
         encode_context: str | None = None,
+        namespace: str | None = None,
     ) -> ScoreResult:
         """Log-probabilities of ``continuation`` as the start of the assistant's answer.
 
@@ -355,6 +362,7 @@ class KVShiftEngine:
         :param return_distributions: also return the full log-softmax at each position.
         :param fragments_after: as in :meth:`generate`.
         :param encode_context: as in :meth:`generate`.
+        :param namespace: as in :meth:`generate`.
         :raises InvalidInputError: bad input, or token ids outside the vocabulary.
         :raises ContextOverflowError: prompt plus continuation exceeds the context window.
         """
@@ -367,7 +375,7 @@ class KVShiftEngine:
             if max(cont_ids) >= self.vocab_size:
                 raise InvalidInputError(f"continuation holds token id {max(cont_ids)} >= vocabulary size {self.vocab_size}")
         layout, mode, ratio, requested, fallback = self._plan(
-            messages, memories, reuse, recompute_ratio, len(cont_ids), fragments_after, encode_context
+            messages, memories, reuse, recompute_ratio, len(cont_ids), fragments_after, encode_context, namespace
         )
         return self._score(layout, mode, ratio, requested, fallback, cont_ids, return_distributions, started)
 
@@ -379,6 +387,7 @@ class KVShiftEngine:
         fragments_after: str | None = None,
         lead_fragments: bool | None = None,
         encode_context: str | None = None,
+        namespace: str | None = None,
     ) -> int:
         """Encode the memories' fragments now, ahead of any question, and cache the shared prefix.
 
@@ -393,6 +402,7 @@ class KVShiftEngine:
             block; default: the setting. Pass ``False`` when the memories will only be placed in
             user messages (as the agent and the framework adapters place them), where it is never read.
         :param encode_context: as in :meth:`generate`; pass there the same.
+        :param namespace: as in :meth:`generate`: what is warmed here serves only that namespace.
         :returns: how many of the memories had a fragment encoded (those already cached are skipped).
         :raises InvalidInputError: bad messages or memories.
         :raises ContextOverflowError: the system message, encode context and a memory exceed the
@@ -402,7 +412,7 @@ class KVShiftEngine:
             messages = [{"role": "user", "content": "?"}]  # only the system message matters here
         if lead_fragments is not None and not isinstance(lead_fragments, bool):
             raise InvalidInputError(f"lead_fragments must be True, False or None, not {lead_fragments!r}")
-        layout, mode, _, _, _ = self._plan(messages, memories, "blend", 0.0, 1, fragments_after, encode_context)
+        layout, mode, _, _, _ = self._plan(messages, memories, "blend", 0.0, 1, fragments_after, encode_context, namespace)
         no_room = self._no_room_to_encode(layout)
         if no_room is not None:
             raise ContextOverflowError(no_room)
@@ -425,7 +435,10 @@ class KVShiftEngine:
 
     # ------------------------------------------------------------------ planning
 
-    def _plan(self, messages, memories, reuse, recompute_ratio, extra_tokens, fragments_after=None, encode_context=None):
+    def _plan(
+        self, messages, memories, reuse, recompute_ratio, extra_tokens, fragments_after=None, encode_context=None, namespace=None
+    ):
+        namespace = "" if namespace is None else inputs.check_identifier(namespace, "namespace")
         messages = inputs.check_messages(messages)
         texts = inputs.check_memories(memories)
         requested = inputs.check_reuse(reuse)
@@ -449,6 +462,7 @@ class KVShiftEngine:
         records = [None if isinstance(memory, str) else memory for memory in given]
         layout = replace(
             layout,
+            namespace=namespace,
             fragments=tuple(
                 replace(s, record=r, context=self._context_ids(encode_context, s.text)) for s, r in zip(layout.fragments, records)
             ),
@@ -521,9 +535,11 @@ class KVShiftEngine:
             )
         return out.logits[0].float()
 
-    def _lookup_prefix(self, ids: torch.Tensor) -> tuple[_PrefixEntry | None, int]:
+    def _lookup_prefix(self, namespace: str, ids: torch.Tensor) -> tuple[_PrefixEntry | None, int]:
         best, best_len = None, 0
         for entry in self._prefixes.values():
+            if entry.namespace != namespace:
+                continue
             common = common_prefix(entry.token_ids, ids)
             if common > best_len:
                 best, best_len = entry, common
@@ -531,26 +547,26 @@ class KVShiftEngine:
             self._prefixes.get(id(best))  # mark as recently used
         return best, best_len
 
-    def _remember_prefix(self, cache: ShiftCache, ids: torch.Tensor, filled: int, exact_until: int) -> None:
-        """Keep slots ``[0, filled)`` of ``cache`` (views, no copy: nothing writes there again)."""
+    def _remember_prefix(self, namespace: str, cache: ShiftCache, ids: torch.Tensor, filled: int, exact_until: int) -> None:
+        """Keep slots ``[0, filled)`` of ``cache`` for ``namespace`` (views, no copy: nothing writes there again)."""
         if filled == 0 or self.settings.prefix_cache_bytes <= 0:
             return
-        known, common = self._lookup_prefix(ids[:filled])
+        known, common = self._lookup_prefix(namespace, ids[:filled])
         if known is not None and common == filled and known.exact_length >= min(exact_until, filled):
             return  # already cached (every fragment encode re-reads the same prefix): keep one copy
         kv = cache.view(0, filled)
         nbytes = sum(k.untyped_storage().nbytes() + v.untyped_storage().nbytes() for k, v in kv)
-        entry = _PrefixEntry(ids[:filled].clone(), kv, min(exact_until, filled), nbytes)
+        entry = _PrefixEntry(namespace, ids[:filled].clone(), kv, min(exact_until, filled), nbytes)
         self._prefixes.put(id(entry), entry)
 
     @torch.inference_mode()
-    def _prefilled(self, ids: torch.Tensor, room: int) -> ShiftCache:
-        """A cache holding the exact K/V of ``ids`` (reusing and remembering prefixes), with ``room`` slots after."""
+    def _prefilled(self, namespace: str, ids: torch.Tensor, room: int) -> ShiftCache:
+        """A cache holding the exact K/V of ``ids`` (reusing and remembering ``namespace``'s prefixes), with ``room`` slots after."""
         n = ids.numel()
         cache = ShiftCache(self.num_layers, n + room)
-        reused, _, _ = self._reuse_prefix(cache, PromptLayout(ids, (), ids), "prefix")
+        reused, _, _ = self._reuse_prefix(cache, PromptLayout(ids, (), ids, namespace), "prefix")
         self._prefill_exact(cache, ids, reused, n, logits="none")
-        self._remember_prefix(cache, ids, n, n)
+        self._remember_prefix(namespace, cache, ids, n, n)
         return cache
 
     @torch.inference_mode()
@@ -563,7 +579,7 @@ class KVShiftEngine:
         for context_digest, indices in by_context.items():
             conditioning = layout.encoded_after(spans[indices[0]], lead)
             start = conditioning.numel()
-            scratch = self._prefilled(conditioning, max(len(spans[i].token_ids) for i in indices))
+            scratch = self._prefilled(layout.namespace, conditioning, max(len(spans[i].token_ids) for i in indices))
             for index in indices:
                 span = spans[index]
                 end = start + len(span.token_ids)
@@ -587,11 +603,11 @@ class KVShiftEngine:
         :returns: the fragments, and where each came from: ``"pool"``, ``"store"``, ``"encoded"``
             or ``"re-encoded"`` (its stored blob was refused).
         """
-        keys = [(layout.context_digest(span, lead), digest_ids(span.token_ids)) for span in spans]
+        keys = [(layout.namespace, layout.context_digest(span, lead), digest_ids(span.token_ids)) for span in spans]
         found: list[Fragment | None] = []
         origins: list[str] = []
         for span, key in zip(spans, keys):
-            context_digest = key[0]
+            context_digest = key[1]
             fragment, origin = self._fragments.get(key), "pool"
             if fragment is None:
                 fragment, origin = self._load_stored(span, context_digest)
@@ -721,7 +737,7 @@ class KVShiftEngine:
         :returns: (tokens reused, exact until, of the reused those shifted from a later position).
         """
         ids, n = layout.token_ids, layout.length
-        entry, common = self._lookup_prefix(ids)
+        entry, common = self._lookup_prefix(layout.namespace, ids)
         if entry is None:
             return 0, n, 0
         if mode == "prefix" or entry.exact_length < min(common, layout.anchor_length):
@@ -736,7 +752,7 @@ class KVShiftEngine:
         exact_until = n if reused <= entry.exact_length else entry.exact_length
         shifted = 0
         if mode == "blend":  # from ``reused``, not ``common``: a cut may fall inside a memory's span
-            donor, source, run = self._cut_out_run(ids, reused)
+            donor, source, run = self._cut_out_run(layout.namespace, ids, reused)
             shifted = _whole_spans(layout, reused + min(run, n - 1 - reused)) - reused
             if shifted >= _MIN_SHIFTED_RUN:
                 with torch.inference_mode():
@@ -750,8 +766,8 @@ class KVShiftEngine:
                 shifted = 0
         return reused, exact_until, shifted
 
-    def _cut_out_run(self, ids: torch.Tensor, start: int) -> tuple[_PrefixEntry | None, int, int]:
-        """Where ``ids[start:]`` continues in a cached prompt that shares ``ids[:start]`` after a cut.
+    def _cut_out_run(self, namespace: str, ids: torch.Tensor, start: int) -> tuple[_PrefixEntry | None, int, int]:
+        """Where ``ids[start:]`` continues in a cached prompt of ``namespace`` that shares ``ids[:start]`` after a cut.
 
         :returns: (cached prompt, its slot where the run starts, run length); length 0 when none.
         """
@@ -761,7 +777,7 @@ class KVShiftEngine:
             return best
         for entry in self._prefixes.values():
             cached = entry.token_ids
-            if cached.numel() < start + 1 + _MATCH_PROBE or common_prefix(cached, ids) < start:
+            if entry.namespace != namespace or cached.numel() < start + 1 + _MATCH_PROBE or common_prefix(cached, ids) < start:
                 continue
             windows = cached[start + 1 :].unfold(0, _MATCH_PROBE, 1)
             for offset in (windows == probe).all(dim=1).nonzero()[:, 0].tolist():
@@ -889,7 +905,7 @@ class KVShiftEngine:
             return False
         if not self.costs.recompute_cheaper(len(span.token_ids)):
             return False
-        return self._fragments.get((layout.context_digest(span), digest_ids(span.token_ids))) is None
+        return self._fragments.get((layout.namespace, layout.context_digest(span), digest_ids(span.token_ids))) is None
 
     def _lead_possible(self, layout: PromptLayout, span: FragmentSpan) -> bool:
         """Whether ``span``, opening the layout's memory block, can have a lead fragment.
@@ -919,7 +935,7 @@ class KVShiftEngine:
     def _fragment_available(self, layout: PromptLayout, span: FragmentSpan, lead: bool = False) -> bool:
         """Whether the span's fragment is in this process's pool or in its memory's store (loads nothing)."""
         context_digest = layout.context_digest(span, lead)
-        if self._fragments.get((context_digest, digest_ids(span.token_ids))) is not None:
+        if self._fragments.get((layout.namespace, context_digest, digest_ids(span.token_ids))) is not None:
             return True
         return getattr(span.record, "fragment_source", None) is not None and self._known_stored(span, context_digest)
 
@@ -933,7 +949,7 @@ class KVShiftEngine:
             for index, origin in zip(leading, lead_origins):
                 encoded[index] = encoded[index] or origin not in ("pool", "store")
         if not any(encoded):  # nothing was encoded, so the shared prefix may not be cached yet
-            self._prefilled(layout.conditioning, 0)
+            self._prefilled(layout.namespace, layout.conditioning, 0)
         return sum(encoded)
 
     # ------------------------------------------------------------------ decoding and scoring
@@ -1012,7 +1028,7 @@ class KVShiftEngine:
             all_ids = torch.cat([layout.token_ids, torch.tensor(generated, dtype=torch.long)])
             # decoding after an exact prompt is exact too: the next turn may reuse the reply as well
             exact_until = filled if prepared.exact_until >= n else prepared.exact_until
-            self._remember_prefix(cache, all_ids, filled, exact_until)
+            self._remember_prefix(layout.namespace, cache, all_ids, filled, exact_until)
 
     @torch.inference_mode()
     def _score(self, layout, mode, ratio, requested, fallback, cont_ids, return_distributions, started) -> ScoreResult:

@@ -65,11 +65,14 @@ class PromptLayout:
         memories start); a prompt begins with ``anchor_length`` of them. Between the two each span
         has its own encode context (``FragmentSpan.context``, never in the prompt itself); a lead
         fragment is encoded after the conditioning alone.
+    :param namespace: whose prompt this is (the tenant): the engine reuses K/V only from prompts
+        and fragments of the same namespace.
     """
 
     token_ids: torch.Tensor
     fragments: tuple[FragmentSpan, ...]
     conditioning: torch.Tensor
+    namespace: str = ""
     _digests: dict[tuple[int, ...], str] = field(default_factory=dict, init=False, compare=False, repr=False)
 
     @property

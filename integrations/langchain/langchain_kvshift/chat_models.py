@@ -100,6 +100,9 @@ class ChatKVShift(BaseChatModel):
     :param store: with ``user_id`` (and ``session_id``), memory markers in human messages that
         name this user's memories resolve to them and bring their stored K/V (DESIGN §4); without
         a store every marker is plain text. Markers are never shown to the model.
+    :param user_id: the tenant, also without a store: the engine reuses K/V only from this user's
+        earlier calls, and ``cache_read`` counts only those, so one user can never learn from
+        speed or usage what another typed. Models without one share the default namespace.
     """
 
     model_config = ConfigDict(arbitrary_types_allowed=True, populate_by_name=True)
@@ -160,6 +163,7 @@ class ChatKVShift(BaseChatModel):
         options = {engine_name: getattr(self, name) for name, engine_name in _CALL_OPTIONS.items()}
         options.update({_CALL_OPTIONS[name]: value for name, value in kwargs.items()})
         options["stop"] = list(self.stop or []) + list(stop or [])
+        options["namespace"] = self.user_id
         return options
 
     def _message(self, result: GenerationResult, chunk: bool = False) -> AIMessage | AIMessageChunk:

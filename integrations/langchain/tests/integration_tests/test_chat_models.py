@@ -90,3 +90,30 @@ def test_a_stream_closed_early_leaves_the_model_usable():
     next(stream)
     stream.close()
     assert llm.invoke("Tell me about Lisbon.").content
+
+
+def _guess_code(attacker: ChatKVShift, length: int) -> str:
+    """The prompt-cache side channel: the guess whose prompt reads the most cached tokens shares
+    the longest prefix with a prompt the engine has seen."""
+    known = ""
+    for _ in range(length):
+        reads = {}
+        for digit in "0123456789":
+            message = attacker.invoke([HumanMessage(f"My door code is {known}{digit}")])
+            reads[digit] = message.usage_metadata["input_token_details"]["cache_read"]
+        known += max(reads, key=reads.get)
+    return known
+
+
+def test_one_user_cannot_read_anothers_prompt_from_cache_reads():
+    import random
+
+    rng = random.Random(21)
+    for run in range(3):
+        code = "".join(rng.choice("123456789") for _ in range(4))
+        victim = ChatKVShift(max_tokens=1, user_id=f"alice-{run}")
+        victim.invoke([HumanMessage(f"My door code is {code}, keep it safe.")])
+        guessed = _guess_code(ChatKVShift(max_tokens=1, user_id=f"mallory-{run}"), len(code))
+        assert sum(a == b for a, b in zip(guessed, code)) <= 1, (code, guessed)
+        # the same attack inside the victim's own namespace reads the code back: the channel is real
+        assert _guess_code(ChatKVShift(max_tokens=1, user_id=f"alice-{run}"), len(code)) == code

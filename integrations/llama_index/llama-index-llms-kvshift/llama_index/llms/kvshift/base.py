@@ -73,6 +73,8 @@ class KVShiftLLM(CustomLLM):
     :param store: with ``user_id`` (and ``session_id``), memory markers in user messages that name
         this user's memories resolve to them and bring their stored K/V; without a store every
         marker is plain text. Markers are never shown to the model.
+    :param user_id: the tenant, also without a store: the engine reuses K/V only from this user's
+        earlier calls (and reports only that reuse). Models without one share the default namespace.
     :param fragments_after: the system message memories' fragments are encoded after; default the
         engine's system prompt, which is also what ``KVShiftMemory`` encodes archived memories
         after. Fixed rather than each prompt's own, because a chat engine may rewrite its system
@@ -129,6 +131,7 @@ class KVShiftLLM(CustomLLM):
             temperature=kwargs.get("temperature", self.temperature),
             stop=kwargs.get("stop"),
             stream=stream,
+            namespace=self.user_id,
         )
 
     @staticmethod

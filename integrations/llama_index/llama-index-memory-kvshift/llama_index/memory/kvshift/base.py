@@ -263,5 +263,8 @@ class KVShiftMemory(BaseMemory):
         turn.archived = record
         # encoded now, after the reply: the turn that recalls it later reads it for free
         self.engine.warm(
-            [record], fragments_after=self.fragments_after or self.engine.settings.system_prompt, lead_fragments=False
+            [record],
+            fragments_after=self.fragments_after or self.engine.settings.system_prompt,
+            lead_fragments=False,
+            namespace=self.user_id,
         )
