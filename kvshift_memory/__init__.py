@@ -15,6 +15,7 @@ from . import exceptions
 from .exceptions import (
     ContextOverflowError,
     CorruptFragmentError,
+    CorruptRecordError,
     InvalidInputError,
     KVShiftError,
     MemoryNotFoundError,
@@ -56,6 +57,7 @@ __all__ = [
     "CheckReport",
     "ContextOverflowError",
     "CorruptFragmentError",
+    "CorruptRecordError",
     "EngineSettings",
     "GCReport",
     "GenerationResult",

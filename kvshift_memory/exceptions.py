@@ -14,6 +14,7 @@ __all__ = [
     "ModelLoadError",
     "StoreError",
     "CorruptFragmentError",
+    "CorruptRecordError",
     "MemoryNotFoundError",
     "VersionConflictError",
     "StoreBusyError",
@@ -53,6 +54,12 @@ class CorruptFragmentError(StoreError):
 
     The store reports it and the fragment is re-encoded from the memory's text; no answer uses it.
     """
+
+
+class CorruptRecordError(StoreError):
+    """A stored row was refused: it is damaged, or holds what this library never writes (a
+    pickled value, a file outside the store folder). It is never served; :meth:`MemoryStore.check`
+    reports it."""
 
 
 class MemoryNotFoundError(StoreError, KeyError):

@@ -30,16 +30,19 @@ class RedisServer:
     """
 
     def __init__(self) -> None:
-        binary = shutil.which("redis-server")
-        if binary is None:
+        self._binary = shutil.which("redis-server")
+        if self._binary is None:
             raise RuntimeError("redis-server is not installed (apt-get install -y redis-server)")
         with socket.socket() as probe:
             probe.bind(("127.0.0.1", 0))
             self.port = probe.getsockname()[1]
         self.url = f"redis://127.0.0.1:{self.port}/0"
         self._dir = tempfile.TemporaryDirectory(prefix="kvshift-redis-")
+        self._start()
+
+    def _start(self) -> None:
         self._process = subprocess.Popen(
-            [binary, "--bind", "127.0.0.1", "--port", str(self.port), "--save", "", "--appendonly", "no",
+            [self._binary, "--bind", "127.0.0.1", "--port", str(self.port), "--save", "", "--appendonly", "no",
              "--dir", self._dir.name, "--protected-mode", "yes"],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
@@ -56,6 +59,12 @@ class RedisServer:
                 time.sleep(0.05)
         self.stop()
         raise RuntimeError(f"redis-server did not start on port {self.port}")
+
+    def restart(self) -> None:
+        """Stop the server and start it again on the same port: without persistence, it comes back empty."""
+        self._process.terminate()
+        self._process.wait(timeout=10)
+        self._start()
 
     def stop(self) -> None:
         if self._process.poll() is None:

@@ -5,6 +5,7 @@ int8 layout, so a child starts in a fraction of a second and 50 of them fit in a
 
     python store_worker.py add-forever KV_URL TENANT          # prints each id once its add returned
     python store_worker.py add-and-read KV_URL TENANT COUNT   # prints a JSON report
+    python store_worker.py search-forever KV_URL TENANT        # searches every 0.3 s until killed
     python store_worker.py supersede-race KV_URL TENANT MEMORY_ID COUNT NAME START  # prints a JSON report
 """
 
@@ -99,6 +100,12 @@ def main() -> None:
                 if record.id not in [hit.id for hit in store.search(text, tenant=tenant, k=5)]:
                     report["misread"].append(f"search:{record.id}")
         print(json.dumps(report), flush=True)
+    if command == "search-forever":
+        store.search("warm up", tenant=tenant)
+        print("searching", flush=True)
+        while True:
+            store.search("where is the spare key", tenant=tenant, k=4)
+            time.sleep(0.3)
     if command == "supersede-race":
         memory_id, count, name, start = sys.argv[4], int(sys.argv[5]), sys.argv[6], float(sys.argv[7])
         time.sleep(max(0.0, start - time.time()))  # both processes begin together

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 import threading
 
 import pytest
@@ -181,6 +182,40 @@ def test_streaming_and_async_give_the_same_turns(bundled_engine, store):
 
     assert "".join(asyncio.run(collect()))
     agent.chat("One more thing.")  # nothing was left busy
+
+
+def test_an_async_stream_left_early_frees_the_session_at_once(bundled_engine, store):
+    """break, cancellation and a dropped iterator: the next turn never waits for busy_timeout_s."""
+    agent = _agent(bundled_engine, store, max_new_tokens=30, busy_timeout_s=20.0)
+
+    async def leave_by_break():
+        async for _ in agent.astream("Tell me a long story about Lisbon."):
+            break
+
+    async def leave_by_cancel():
+        reading = asyncio.Event()
+
+        async def read_slowly():
+            async for _ in agent.astream("Tell me a long story about Porto."):
+                reading.set()
+                await asyncio.sleep(60)
+
+        task = asyncio.create_task(read_slowly())
+        await reading.wait()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    async def leave_by_dropping():
+        pieces = agent.astream("Tell me a long story about Faro.")
+        await pieces.__anext__()
+        del pieces
+
+    for leave in (leave_by_break, leave_by_cancel, leave_by_dropping):
+        asyncio.run(leave())
+        started = time.perf_counter()
+        agent.chat("And now?")
+        assert time.perf_counter() - started < 10.0, leave.__name__
 
 
 def test_a_closed_stream_commits_what_was_said_and_frees_the_session(bundled_engine, store):

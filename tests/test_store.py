@@ -336,3 +336,53 @@ def test_tenant_ids_are_one_per_spelling_and_blank_ends_are_refused(make_store):
         with pytest.raises(InvalidInputError):
             store.search("a fact", tenant=tenant)
     assert store.stats()["memories"] == 1
+
+
+def test_a_tampered_folder_runs_nothing_and_touches_nothing_outside(tmp_path):
+    """Planted rows: a pickled record, a pickled key, blob rows naming files outside the folder.
+    Opening, searching, checking and gc-ing the store unpickles nothing and leaves those files be."""
+    import os
+    import pickle
+    import sqlite3
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from store_worker import VARIANT, HashEmbedder, int8_blob
+
+    marker, outside = tmp_path / "pwned", tmp_path / "outside" / "victim.txt"
+    outside.parent.mkdir()
+    outside.write_text("precious")
+
+    class Payload:
+        def __reduce__(self):
+            return (open, (str(marker), "w"))
+
+    store = MemoryStore(tmp_path / "s", embedder=HashEmbedder())
+    kept = store.add("The spare key is under the blue flower pot.", tenant="alice")
+    poisoned = store.add("My sister lives in Porto.", tenant="alice")
+    assert store.save_fragment(kept, VARIANT, int8_blob(store, kept, n=600))  # large: kept in a file
+    (blob_key,) = store.tier.scan("f/")
+    (record_key,) = store.tier.scan(f"r/alice/{poisoned.id}/1/")
+    store.close()
+    with sqlite3.connect(tmp_path / "s" / "kv" / "cache.db") as db:
+        db.execute("UPDATE Cache SET filename = ? WHERE key = ?", (os.path.relpath(outside, tmp_path / "s" / "kv"), blob_key))
+        db.execute("UPDATE Cache SET mode = 4, value = ? WHERE key = ?", (pickle.dumps(Payload()), record_key))
+        db.execute(
+            "INSERT INTO Cache (key, raw, store_time, expire_time, access_time, access_count, tag, size, mode, filename, value)"
+            " VALUES (?, 0, 0, NULL, 0, 0, NULL, 0, 1, NULL, ?)",
+            (pickle.dumps(Payload()), b"v"),
+        )
+    store = MemoryStore(tmp_path / "s", embedder=HashEmbedder())
+    assert [h.id for h in store.search("where is the spare key", tenant="alice", k=4)] == [kept.id]
+    with pytest.raises(StoreError):
+        store.load_fragment(store.get(kept.id, tenant="alice"), VARIANT)
+    report = store.check()
+    assert not report.ok  # the poisoned record cannot be rebuilt ...
+    assert any(poisoned.id in p for p in report.problems) and any(blob_key in p for p in report.repaired)
+    store.gc()
+    store.stats()
+    assert store.load_fragment(store.get(kept.id, tenant="alice"), VARIANT) is None  # ... the bad blob row is gone
+    store.close()
+    assert not marker.exists()
+    assert outside.read_text() == "precious"

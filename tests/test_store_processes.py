@@ -16,6 +16,7 @@ import pytest
 
 from kvshift_memory.blobs import verify_blob
 from kvshift_memory.kv.codec import decode_fragment
+from kvshift_memory.exceptions import StoreError
 from kvshift_memory.store import MemoryStore
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -141,3 +142,55 @@ def test_two_processes_superseding_one_memory_publish_one_writer_per_version(sha
 
 def stored_text(store: MemoryStore, key: str) -> str:
     return json.loads(store.tier.get(key))["text"]
+
+
+def test_redis_restarted_empty_mid_process_still_indexes_new_memories():
+    """The index had applied more log entries than the restarted server's log holds: it must notice
+    and replay, not silently skip the new memories (it used to wait for them to pass its count)."""
+    from redis_server import RedisServer
+
+    try:
+        server = RedisServer()
+    except RuntimeError as exc:
+        if os.environ.get("CI"):
+            raise
+        pytest.skip(str(exc))
+    try:
+        store = open_store(server.url)
+        for n in range(5):
+            store.add(f"Old memory number {n} about the garden.", tenant="alice")
+        assert len(store.search("the garden", tenant="alice", k=10)) == 5
+        server.restart()
+        for attempt in range(20):  # the client reconnects on its next call
+            try:
+                fresh = store.add("The spare key is under the blue flower pot.", tenant="alice")
+                break
+            except StoreError:
+                time.sleep(0.1)
+        hits = store.search("where is the spare key", tenant="alice", k=10)
+        assert [h.id for h in hits] == [fresh.id]  # the old points went with the data they indexed
+        store.close()
+    finally:
+        server.stop()
+
+
+def test_a_busy_searcher_does_not_keep_another_process_waiting(tmp_path):
+    """Each process has its own index: a process searching all the time holds no lock another waits on."""
+    url = f"file://{tmp_path / 'store'}"
+    store = open_store(url)
+    record = store.add("The spare key is under the blue flower pot.", tenant="alice")
+    store.close()
+    searcher = subprocess.Popen([sys.executable, WORKER, "search-forever", url, "alice"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert searcher.stdout.readline().strip() == "searching"
+        store = open_store(url)
+        for _ in range(5):
+            started = time.perf_counter()
+            hits = store.search("where is the spare key", tenant="alice", k=1)
+            assert time.perf_counter() - started <= 2.0 and hits[0].id == record.id
+            store.add(f"Another memory {time.time()}.", tenant="alice")  # writes are not starved either
+            time.sleep(0.3)
+        store.close()
+    finally:
+        searcher.kill()
+        searcher.wait()

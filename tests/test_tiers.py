@@ -116,3 +116,88 @@ def test_open_tier_urls(tmp_path):
 def test_unreachable_redis_is_a_clear_error():
     with pytest.raises(StoreError, match="cannot reach Redis"):
         RedisTier("redis://127.0.0.1:1/0")
+
+
+def test_a_damaged_database_is_a_store_error(tmp_path):
+    DiskTier(tmp_path / "kv").close()
+    (tmp_path / "kv" / "cache.db").write_bytes(b"this is not a database" * 200)
+    with pytest.raises(StoreError, match="damaged|failed"):
+        tier = DiskTier(tmp_path / "kv")
+        tier.get("anything")
+
+
+def test_a_writer_waits_for_a_locked_folder_only_so_long(tmp_path):
+    import time
+
+    from kvshift_memory.exceptions import KVShiftError, StoreBusyError
+
+    holder, waiter = DiskTier(tmp_path / "kv"), DiskTier(tmp_path / "kv", lock_timeout_s=0.5)
+    holding, done = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with holder._cache.transact():
+            holder._cache.set("held", b"1")
+            holding.set()
+            done.wait(10)
+
+    thread = threading.Thread(target=hold)
+    thread.start()
+    holding.wait(5)
+    started = time.perf_counter()
+    with pytest.raises(StoreBusyError) as raised:
+        waiter.set("k", b"v")
+    assert time.perf_counter() - started < 3 and isinstance(raised.value, KVShiftError)
+    done.set()
+    thread.join()
+    waiter.set("k", b"v")  # free again: the refused write changed nothing and can be retried
+    assert waiter.get("k") == b"v"
+    holder.close()
+    waiter.close()
+
+
+def test_rows_naming_files_outside_the_folder_are_refused_and_never_deleted(tmp_path):
+    outside = tmp_path / "outside" / "victim.txt"
+    outside.parent.mkdir()
+    outside.write_text("precious")
+    tier = DiskTier(tmp_path / "kv")
+    tier.set("f/relative", b"x" * 100_000)  # large: diskcache keeps it in a file the row names
+    tier.set("f/absolute", b"y" * 100_000)
+    tier.close()
+    with sqlite3.connect(tmp_path / "kv" / "cache.db") as db:
+        db.execute("UPDATE Cache SET filename = ? WHERE key = 'f/relative'", ("../outside/victim.txt",))
+        db.execute("UPDATE Cache SET filename = ? WHERE key = 'f/absolute'", (str(outside),))
+    tier = DiskTier(tmp_path / "kv")
+    for key in ("f/relative", "f/absolute"):
+        with pytest.raises(StoreError, match="not one of the folder's"):
+            tier.get(key)
+        assert tier.delete(key)  # the row goes ...
+        assert tier.get(key) is None
+    assert outside.read_text() == "precious"  # ... the file it named stays
+    tier.close()
+
+
+def test_a_pickled_key_planted_in_the_folder_is_never_read(tmp_path):
+    import pickle
+
+    marker = tmp_path / "pwned"
+
+    class Payload:
+        def __reduce__(self):
+            return (open, (str(marker), "w"))
+
+    tier = DiskTier(tmp_path / "kv")
+    tier.set("h/a/1", b"{}")
+    tier.close()
+    with sqlite3.connect(tmp_path / "kv" / "cache.db") as db:
+        db.execute(
+            "INSERT INTO Cache (key, raw, store_time, expire_time, access_time, access_count, tag, size, mode, filename, value)"
+            " VALUES (?, 0, 0, NULL, 0, 0, NULL, 0, 1, NULL, ?)",
+            (pickle.dumps(Payload()), b"v"),
+        )
+        db.execute("UPDATE Cache SET mode = 4, value = ? WHERE key = 'h/a/1'", (pickle.dumps(Payload()),))
+    tier = DiskTier(tmp_path / "kv")
+    assert list(tier.scan("")) == ["h/a/1"] and list(tier.scan("h/")) == ["h/a/1"]
+    with pytest.raises(StoreError, match="pickled"):
+        tier.get("h/a/1")
+    tier.close()
+    assert not marker.exists()

@@ -175,6 +175,14 @@ class _Plan:
     retrieval_s: float
 
 
+_STREAM_END = object()
+
+
+@dataclass(frozen=True)
+class _StreamFailure:
+    error: BaseException
+
+
 class ReplyStream(Iterator[str]):
     """Text pieces of a streamed turn; :attr:`reply` holds the :class:`Reply` once it has ended.
 
@@ -381,21 +389,55 @@ class AgentMemory:
     async def astream(
         self, message: str, *, max_new_tokens: int | None = None, reuse: str | None = None
     ) -> AsyncIterator[str]:
-        """:meth:`chat` with ``stream=True``, as an async iterator of text pieces."""
+        """:meth:`chat` with ``stream=True``, as an async iterator of text pieces.
+
+        A worker thread drives the stream and hands pieces to the event loop, which never waits
+        on the model. Leaving the iteration early (``break``, cancellation, ``aclose()``) ends the
+        turn at the next piece; an iterator that is dropped without being closed finishes its
+        reply in the worker. Either way the session is released without waiting for
+        ``busy_timeout_s``.
+        """
         reply_stream = await asyncio.to_thread(
             self.chat, message, stream=True, max_new_tokens=max_new_tokens, reuse=reuse
         )
-        self._stream_thread = None  # owned by the event loop's task now, not by a worker thread
-        sentinel = object()
+        self._stream_thread = None  # driven by the worker below, not by the thread that opened it
+        loop = asyncio.get_running_loop()
+        pieces: asyncio.Queue[Any] = asyncio.Queue()
+        stop = threading.Event()
+
+        def deliver(item: Any) -> None:
+            try:
+                loop.call_soon_threadsafe(pieces.put_nowait, item)
+            except RuntimeError:  # the loop is closed: nobody reads any more
+                stop.set()
+
+        def drive() -> None:
+            # next() and close() of one stream stay in this thread: a generator cannot be closed
+            # from another thread while it is running
+            try:
+                for piece in reply_stream:
+                    if stop.is_set():
+                        reply_stream.close()
+                        break
+                    deliver(piece)
+            except BaseException as exc:  # the stream released the session; the reader re-raises it
+                deliver(_StreamFailure(exc))
+                return
+            deliver(_STREAM_END)
+
+        worker = threading.Thread(target=drive, name=f"kvshift-stream-{self.session_id}", daemon=True)
+        worker.start()
         try:
             while True:
-                piece = await asyncio.to_thread(next, reply_stream, sentinel)
-                if piece is sentinel:
+                item = await pieces.get()
+                if item is _STREAM_END:
                     break
-                yield piece
+                if isinstance(item, _StreamFailure):
+                    raise item.error
+                yield item
         finally:
-            if reply_stream.reply is None:
-                await asyncio.to_thread(reply_stream.close)
+            stop.set()
+            await asyncio.to_thread(worker.join)
 
     # ------------------------------------------------------------------ internals
 

@@ -156,6 +156,14 @@ def _render(tokenizer, messages: list[dict[str, str]]) -> str:
     return "".join(lines) + "Assistant:"
 
 
+def _usable_reply_ids(tokenizer: Any, ids: Sequence[int], content: str) -> bool:
+    """Whether a reply's given ids can stand for its content: they read back as it, and hold no
+    special token (a caller's ids must not open a turn or a role the template did not write)."""
+    if any(i >= len(tokenizer) for i in ids) or set(ids) & set(tokenizer.all_special_ids):
+        return False
+    return tokenizer.decode(ids) == content
+
+
 def build_layout(
     tokens: TokenMemo,
     messages: list[dict[str, Any]],
@@ -203,8 +211,8 @@ def build_layout(
                 content = "".join(pieces) + sentinel(content[done:])
         else:
             ids = message.get("token_ids")
-            if ids is not None and tokens.tokenizer.decode(ids) != content:
-                ids = None  # not what the content reads back as: tokenise the text
+            if ids is not None and not _usable_reply_ids(tokens.tokenizer, ids, content):
+                ids = None  # tokenise the text instead
             content = sentinel(content, ids=ids)
         rendered_messages.append({"role": message["role"], "content": content})
     text = _render(tokens.tokenizer, rendered_messages)

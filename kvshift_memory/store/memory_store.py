@@ -39,7 +39,14 @@ from urllib.parse import quote, unquote
 
 from .. import inputs
 from ..blobs import check_codec, codec_label, read_header, verify_blob
-from ..exceptions import CorruptFragmentError, InvalidInputError, MemoryNotFoundError, StoreError, VersionConflictError
+from ..exceptions import (
+    CorruptFragmentError,
+    CorruptRecordError,
+    InvalidInputError,
+    MemoryNotFoundError,
+    StoreError,
+    VersionConflictError,
+)
 from .index import IndexedState, QdrantIndex
 from .keywords import keywords
 from .records import MemoryRecord, text_hash
@@ -323,7 +330,7 @@ class MemoryStore:
         tenant, _ = self._ids(tenant, None)
         if not isinstance(source_text_hash, str) or not re.fullmatch(r"[0-9a-f]{64}", source_text_hash):
             raise InvalidInputError("source_text_hash must be 64 lowercase hex characters")
-        raw = self.tier.get(_k("x", tenant, source_text_hash))
+        raw = self._get_row(_k("x", tenant, source_text_hash))
         if raw is None:
             return None
         record = self._live(tenant, raw.decode("utf-8", "replace"))
@@ -347,7 +354,7 @@ class MemoryStore:
         for key in list(self.tier.scan("h/")):
             parts = _split(key)
             if len(parts) == 3:
-                heads[(parts[1], parts[2])] = _parse_head(self.tier.get(key))
+                heads[(parts[1], parts[2])] = _parse_head(self._get_row(key))
         for (tenant, memory_id), head in heads.items():
             if head is None or head.get("erased"):
                 continue
@@ -363,7 +370,7 @@ class MemoryStore:
                 if not self._in_use(prefix, parts, heads.get((parts[1], parts[2])), now):
                     self._free(key, report)
                 elif prefix == BLOB_PREFIX and keep_model_fingerprint is not None:
-                    raw = self.tier.get(key)
+                    raw = self._get_row(key)
                     if raw is not None and _blob_fingerprint(raw) != keep_model_fingerprint:
                         self._free(key, report)
         return report
@@ -456,7 +463,7 @@ class MemoryStore:
         """A key's value, or ``None`` (the problem noted) when the tier refuses to read its row."""
         try:
             return self.tier.get(key)
-        except StoreError as exc:
+        except CorruptRecordError as exc:
             report.problems.append(f"{key!r}: {exc}")
             return None
 
@@ -476,7 +483,7 @@ class MemoryStore:
             "corrupt_fragments_seen": self.corrupt_fragments,
         }
         for key in self.tier.scan("h/"):
-            head = _parse_head(self.tier.get(key))
+            head = _parse_head(self._get_row(key))
             if head is None:
                 continue
             out["deleted" if head["deleted"] else "memories"] += 1
@@ -484,7 +491,7 @@ class MemoryStore:
         if model_fingerprint is not None:
             out["stale_fragments"] = 0
         for key in self.tier.scan(BLOB_PREFIX):
-            raw = self.tier.get(key)
+            raw = self._get_row(key)
             if raw is None:
                 continue
             out["fragments"] += 1
@@ -613,8 +620,16 @@ class MemoryStore:
         # after the head: a refused writer must not point a text at this memory (find_by_hash checks anyway)
         self.tier.set(_k("x", tenant, record.source_text_hash), memory_id.encode())
 
+    def _get_row(self, key: str) -> bytes | None:
+        """A row's value; ``None`` for a row the tier refuses (logged; ``check()`` reports it)."""
+        try:
+            return self.tier.get(key)
+        except CorruptRecordError as exc:
+            logger.warning("refusing %r: %s", key, exc)
+            return None
+
     def _read_record(self, tenant: str, memory_id: str, version: int, writer: str) -> MemoryRecord | None:
-        raw = self.tier.get(_k("r", tenant, memory_id, version, writer))
+        raw = self._get_row(_k("r", tenant, memory_id, version, writer))
         if raw is None:
             return None
         try:
@@ -629,12 +644,12 @@ class MemoryStore:
 
     def _published_writer(self, tenant: str, memory_id: str, version: int) -> str | None:
         """The writer whose version ``version`` (below the head's) was published."""
-        raw = self.tier.get(_k("p", tenant, memory_id, version))
+        raw = self._get_row(_k("p", tenant, memory_id, version))
         writer = raw.decode("ascii", "replace") if raw else ""
         return writer if _WRITER.fullmatch(writer) else None
 
     def _read_head(self, tenant: str, memory_id: str) -> tuple[bytes | None, dict | None]:
-        raw = self.tier.get(_k("h", tenant, memory_id))
+        raw = self._get_row(_k("h", tenant, memory_id))
         return raw, _parse_head(raw)
 
     def _live(self, tenant: str, memory_id: str) -> MemoryRecord | None:
@@ -650,8 +665,8 @@ class MemoryStore:
 
     def _with_access(self, record: MemoryRecord) -> MemoryRecord:
         """``record`` with its access count and last access, read but not counted as an access."""
-        count = self.tier.get(_k("ac", record.tenant, record.id))
-        last = self.tier.get(_k("al", record.tenant, record.id))
+        count = self._get_row(_k("ac", record.tenant, record.id))
+        last = self._get_row(_k("al", record.tenant, record.id))
         return replace(record, access_count=int(count) if count and count.isdigit() else 0, last_access=_float_or_none(last))
 
     def _touch(self, record: MemoryRecord) -> MemoryRecord:
@@ -670,7 +685,7 @@ class MemoryStore:
         if head["deleted"]:
             return IndexedState(head["v"], None, None)
         record = self._read_record(tenant, memory_id, head["v"], head["w"])
-        embedding = _unpack_embedding(self.tier.get(_k("e", tenant, memory_id, head["v"], head["w"])), self.index.dimension)
+        embedding = _unpack_embedding(self._get_row(_k("e", tenant, memory_id, head["v"], head["w"])), self.index.dimension)
         # an embedding of another text is never indexed: check() re-embeds it
         if record is None or embedding is None or embedding[0] != record.source_text_hash:
             return IndexedState(head["v"], None, None)
@@ -688,7 +703,7 @@ class MemoryStore:
         return {**head, "deleted": True, "erased": True}
 
     def _free(self, key: str, report: GCReport) -> None:
-        raw = self.tier.get(key) if key.startswith(BLOB_PREFIX) else None
+        raw = self._get_row(key) if key.startswith(BLOB_PREFIX) else None
         if self.tier.delete(key):
             report.freed_keys += 1
             if raw is not None:

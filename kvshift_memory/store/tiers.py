@@ -28,7 +28,7 @@ from urllib.parse import urlsplit
 import diskcache
 import diskcache.core
 
-from ..exceptions import InvalidInputError, StoreBusyError, StoreError
+from ..exceptions import CorruptRecordError, InvalidInputError, StoreBusyError, StoreError
 
 __all__ = ["BLOB_PREFIX", "DiskTier", "HotTier", "KVTier", "RedisTier", "open_tier"]
 
@@ -179,7 +179,7 @@ class _BytesOnlyDisk(diskcache.Disk):
 
     def get(self, key, raw):
         if not raw:
-            raise StoreError("refusing a pickled key in the disk tier")
+            raise CorruptRecordError("refusing a pickled key in the disk tier")
         return super().get(key, raw)
 
     def store(self, value, read, key=diskcache.core.UNKNOWN):
@@ -189,9 +189,9 @@ class _BytesOnlyDisk(diskcache.Disk):
 
     def fetch(self, mode, filename, value, read):
         if mode == diskcache.core.MODE_PICKLE:
-            raise StoreError("refusing a pickled value in the disk tier")
+            raise CorruptRecordError("refusing a pickled value in the disk tier")
         if filename is not None and not self._inside(filename):
-            raise StoreError(f"refusing a disk tier row whose value file {filename!r} is not one of the folder's")
+            raise CorruptRecordError(f"refusing a disk tier row whose value file {filename!r} is not one of the folder's")
         return super().fetch(mode, filename, value, read)
 
     def remove(self, file_path):
@@ -258,7 +258,7 @@ class DiskTier:
             return value
         if isinstance(value, int):  # counters
             return str(value).encode()
-        raise StoreError(f"the disk tier holds a {type(value).__name__} where bytes were written")
+        raise CorruptRecordError(f"the disk tier holds a {type(value).__name__} where bytes were written")
 
     def set(self, key: str, value: bytes) -> None:
         value = _as_bytes(value)
