@@ -1,26 +1,30 @@
-"""The vector index: Qdrant, derived from the records in the KV tier and kept in step through its log.
+"""The vector index: derived from the records in the KV tier and kept in step through its log.
 
 Records (with their vectors) live in the KV tier; the index only maps vectors to memory ids so a
 search can find them. Each point has two vectors, searched as two paths and fused: the dense
-embedding, and a sparse vector of the memory's keywords weighted by Qdrant's IDF
-(:mod:`.keywords`); a hit's score is its cosine similarity plus ``keyword_weight`` times its
-keyword score. Every write to a memory first appends ``(tenant, id, nonce)`` to the tier's change
-log; :meth:`QdrantIndex.sync` replays the log from where this index stopped, making each named
+embedding (cosine), and a sparse vector of the memory's keywords weighted by inverse document
+frequency (:mod:`.keywords`); a hit's score is its cosine similarity plus ``keyword_weight``
+times its keyword score. Every write to a memory first appends ``(tenant, id, nonce)`` to the
+tier's change log; ``sync`` replays the log from where the index stopped, making each named
 memory's point match its current state (live version: upserted; superseded version, deletion:
-removed). Replaying is idempotent, so a crash anywhere leaves an index that the next sync repairs,
-and an add never waits for the index. An index whose log went backwards (the tier emptied, or
-restored from an older snapshot: the last entry it applied is no longer where it was) or whose
-points were lost starts again from the whole log, on its own.
+removed). Replaying is idempotent, so a crash anywhere leaves an index that the next sync
+repairs, and an add never waits for the index. An index whose log went backwards (the tier
+emptied, or restored from an older snapshot: the last entry it applied is no longer where it
+was) or whose points were lost starts again from the whole log, on its own.
 
-Locations:
+Two kinds, one behaviour (:func:`open_index`):
 
-- a folder (the embedded default): an in-process Qdrant, loaded from the folder's snapshot (one
-  ``safetensors`` file this index writes: vectors as tensors, points and sync state as JSON in its
-  header) and brought up to date from the log. Nothing in the folder is unpickled (Qdrant's own
-  local persistence would unpickle its rows) and no lock is held across processes: each process
-  has its own copy, and a snapshot is replaced whole by a rename.
-- ``http(s)://…``: a Qdrant server, for many processes and machines (DESIGN §8).
-- ``:memory:``: a process-local index, rebuilt from the log on first use.
+- :class:`MemoryIndex`, in this process (a folder, the embedded default, or ``":memory:"``):
+  NumPy arrays searched exactly, every tenant's points apart, so a search costs the same whoever
+  else is stored. With a folder it starts from the folder's snapshot, one ``safetensors`` file it
+  writes (arrays as tensors, points and sync state as JSON in its header) and replaces whole by a
+  rename: nothing in it is unpickled, and no lock is held across processes (each has its own copy).
+- :class:`QdrantIndex`, ``http(s)://…``: a Qdrant server shared by many processes and machines
+  (DESIGN §8), filtered by a tenant payload index.
+
+Keyword rarity is counted among the searching tenant's own memories (Qdrant's IDF formula), so
+another tenant's words never move a score (:class:`MemoryIndex`; a Qdrant server counts over
+its collection).
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import os
 import threading
 import time
@@ -35,10 +40,12 @@ import uuid
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 from ..exceptions import StoreError
 from .keywords import sparse_terms
 
-__all__ = ["IndexHit", "QdrantIndex"]
+__all__ = ["IndexHit", "IndexedState", "MemoryIndex", "QdrantIndex", "open_index"]
 
 COLLECTION = "kvshift_memories"
 _KEYWORDS = "keywords"  # the sparse vector's name; the dense one is Qdrant's unnamed default ""
@@ -52,6 +59,8 @@ _SNAPSHOT = "index.safetensors"
 _SNAPSHOT_EVERY = 1024
 
 logger = logging.getLogger("kvshift_memory.store")
+
+ReadLog = Callable[[int], list[bytes]]
 
 
 @dataclass(frozen=True)
@@ -72,57 +81,446 @@ class IndexedState:
     keywords: Sequence[str] = ()
 
 
+StateOf = Callable[[str, str], "IndexedState | None"]
+
+
 def point_id(tenant: str, memory_id: str) -> str:
     return str(uuid.uuid5(uuid.NAMESPACE_URL, f"kvshift:{len(tenant)}:{tenant}:{memory_id}"))
 
 
-class QdrantIndex:
-    """A Qdrant collection of one vector per live memory, with tenant and session payload.
+def open_index(location: str | os.PathLike, dimension: int, embedder_name: str) -> MemoryIndex | QdrantIndex:
+    """The index for ``location``: ``http(s)://…`` a Qdrant server, else this process's (a folder or ``":memory:"``).
 
-    :param location: a folder (its snapshot), an ``http(s)://`` URL or ``":memory:"``.
-    :param dimension: the embedder's vector size; ``embedder_name`` is recorded and checked so
-        vectors of two different embedders are never compared.
-    :raises StoreError: the location cannot be opened, or holds vectors of another embedder.
+    :raises StoreError: the location cannot be used, or holds vectors of another embedder.
+    """
+    text = os.fspath(location)
+    if text.startswith(("http://", "https://")):
+        return QdrantIndex(text, dimension, embedder_name)
+    return MemoryIndex(text, dimension, embedder_name)
+
+
+class _LogFollower:
+    """What both kinds share: replaying the tier's log into points, with the sync state kept aside.
+
+    A subclass stores points (``_upsert``, ``_delete``, ``_clear``, ``_point_ids``) and the sync
+    state (``_read_state``, ``_write_state``); every method runs under ``self._mutex``.
+    """
+
+    location: str
+    dimension: int
+
+    def __init__(self) -> None:
+        self._mutex = threading.RLock()
+
+    def sync(self, read_log: ReadLog, state_of: StateOf) -> int:
+        """Replay the log; returns how many memories were reconciled.
+
+        :raises StoreError: the tier or the server failed.
+        """
+        with self._mutex:
+            self._open()
+            return len(self._sync(read_log, state_of))
+
+    def rebuild(self, states: dict[tuple[str, str], IndexedState], read_log: ReadLog, state_of: StateOf) -> int:
+        """Make every given memory's point match its state, replay the log, and drop points of
+        memories neither names (``check()``); returns how many points were dropped.
+
+        :param states: every memory's state as the caller just read it (``check()`` reads them
+            all anyway); a point that already matches is left alone.
+        """
+        with self._mutex:
+            self._open()
+            for (tenant, memory_id), state in states.items():
+                self._apply(tenant, memory_id, state)
+            # a memory added or changed while check() ran is in the log: it wins, and is no stray
+            named = self._sync(read_log, state_of) | set(states)
+            wanted = {point_id(tenant, memory_id) for tenant, memory_id in named}
+            stray = [pid for pid in self._point_ids() if pid not in wanted]
+            self._delete(stray)
+            self._rebuilt()
+            return len(stray)
+
+    def _sync(self, read_log: ReadLog, state_of: StateOf) -> set[tuple[str, str]]:
+        """Reconcile the memories the log names since the last sync, and the pending ones;
+        returns them all. A log that no longer holds the last entry applied, where it was, is
+        replayed whole into an emptied index."""
+        state = self._read_state()
+        entries = _entries_since(state, read_log)
+        if entries is None:
+            logger.warning("the store's log went backwards (tier emptied or restored): rebuilding the index at %s", self.location)
+            self._clear()
+            state = _fresh_state()
+            entries = read_log(0)
+        todo = [(entry["tenant"], entry["id"], entry.get("at", 0.0)) for entry in state["pending"]]
+        last = state["last"]
+        now = time.time()
+        for raw in entries:
+            try:
+                entry = json.loads(raw)
+                todo.append((str(entry["tenant"]), str(entry["id"]), now))
+                last = entry.get("n") if isinstance(entry.get("n"), str) else None
+            except (ValueError, KeyError, TypeError, AttributeError):
+                last = None
+                continue  # a damaged log entry names nothing; check() rebuilds from the records
+        first_seen: dict[tuple[str, str], float] = {}
+        for tenant, memory_id, seen_at in todo:
+            first_seen.setdefault((tenant, memory_id), seen_at)
+        pending = []
+        for (tenant, memory_id), seen_at in first_seen.items():
+            memory_state = state_of(tenant, memory_id)
+            if memory_state is not None:
+                self._apply(tenant, memory_id, memory_state)
+            elif time.time() - seen_at < _PENDING_GRACE_S:  # an add in flight: its head is not written yet
+                pending.append({"tenant": tenant, "id": memory_id, "at": seen_at})
+        self._flush()
+        if entries or pending != state["pending"]:
+            self._write_state({"applied": state["applied"] + len(entries), "last": last, "pending": pending}, len(entries))
+        return set(first_seen)
+
+    def _apply(self, tenant: str, memory_id: str, state: IndexedState) -> None:
+        pid = point_id(tenant, memory_id)
+        if state.vector is None:
+            self._delete([pid])
+        else:
+            payload = {"tenant": tenant, "memory_id": memory_id, "version": state.version, "session_id": state.session_id}
+            self._upsert(pid, state.vector, sparse_terms(state.keywords), payload)
+
+    # what a kind provides
+    def _open(self) -> None: ...
+
+    def _upsert(self, pid: str, vector: Sequence[float], keywords: tuple[list[int], list[float]], payload: dict) -> None: ...
+
+    def _delete(self, pids: Sequence[str]) -> None: ...
+
+    def _flush(self) -> None: ...
+
+    def _clear(self) -> None: ...
+
+    def _point_ids(self) -> list[str]: ...
+
+    def _read_state(self) -> dict: ...
+
+    def _write_state(self, state: dict, applied_now: int) -> None: ...
+
+    def _rebuilt(self) -> None: ...
+
+
+class MemoryIndex(_LogFollower):
+    """This process's index: arrays searched exactly, starting from a folder's snapshot.
+
+    :param location: a folder (its snapshot is read on first use and written on :meth:`close`
+        and after large syncs) or ``":memory:"``.
+    :param dimension: the embedder's vector size; ``embedder_name`` is recorded in the snapshot
+        and checked, so vectors of two different embedders are never compared.
+    :raises StoreError: the folder cannot be made, or its snapshot holds another embedder's vectors.
     """
 
     def __init__(self, location: str | os.PathLike, dimension: int, embedder_name: str) -> None:
+        super().__init__()
         self.location = os.fspath(location)
         self.dimension = dimension
         self.embedder_name = embedder_name
-        self._remote = self.location.startswith(("http://", "https://"))
-        self._folder = None if self._remote or self.location == ":memory:" else self.location
-        self._client = None
-        self._mutex = threading.RLock()
-        # the sync state of an in-process index (a server's lives in its own collection)
-        self._state: dict = _fresh_state()
+        self._folder = None if self.location == ":memory:" else self.location
+        self._loaded = False
         self._unsaved = 0  # log entries applied since the folder's snapshot was written
+        self._state = _fresh_state()
+        self._reset_points()
         if self._folder is not None:
             try:
                 os.makedirs(self._folder, exist_ok=True)
             except OSError as exc:
                 raise StoreError(f"cannot use {self._folder!r} as an index folder: {exc}") from exc
-            snapshot = os.path.join(self._folder, _SNAPSHOT)
-            if os.path.exists(snapshot):
-                self._check_snapshot_embedder(snapshot)
+            header = _snapshot_header(os.path.join(self._folder, _SNAPSHOT))
+            if header is not None and (header.get("dimension"), header.get("embedder")) != (dimension, embedder_name):
+                raise StoreError(
+                    f"the index at {self.location} holds {header.get('dimension')}-d vectors of "
+                    f"{header.get('embedder')!r}; this store embeds with {embedder_name!r} ({dimension}-d)"
+                )
 
-    # ---------------------------------------------------------------- sessions
+    def _reset_points(self) -> None:
+        self._rows: dict[str, int] = {}  # point id -> row
+        self._free: list[int] = []
+        self._vectors = np.zeros((0, self.dimension), dtype=np.float32)  # unit rows; zero where free
+        self._tenant_of = np.zeros(0, dtype=np.int64)  # tenant code per row, -1 where free
+        self._session_of = np.zeros(0, dtype=np.int64)  # session code per row, -1 for none
+        self._codes: dict[str | None, int] = {}  # tenant and session strings -> codes
+        self._payloads: list[dict | None] = []
+        self._terms: list[dict[int, float]] = []
+        # per tenant code: term -> {row: value}, and how many points it has (the IDF corpus)
+        self._postings: dict[int, dict[int, dict[int, float]]] = {}
+        self._counts: dict[int, int] = {}
 
-    @contextlib.contextmanager
-    def _session(self) -> Iterator:
-        """The client for one operation; one operation at a time in this process."""
+    def _code(self, text: str | None) -> int:
+        return self._codes.setdefault(text, len(self._codes))
+
+    # ---------------------------------------------------------------- search
+
+    def search(
+        self,
+        vector: Sequence[float],
+        tenant: str,
+        session_id: str | None,
+        limit: int,
+        read_log: ReadLog,
+        state_of: StateOf,
+        *,
+        terms: Sequence[str] = (),
+        keyword_weight: float = 0.0,
+    ) -> list[IndexHit]:
+        """Bring the index up to date with the log, then the ``limit`` best memories of ``tenant``.
+
+        Both paths take their ``limit`` best candidates; a candidate found by one path only gets
+        the other path's score too (its cosine; a keyword score absent from the keyword path's
+        list is zero). Only ``tenant``'s points (and ``session_id``'s, when given) are ever
+        candidates.
+
+        :raises StoreError: the tier failed while the log was replayed.
+        """
+        with self._mutex:
+            self._open()
+            self._sync(read_log, state_of)
+            tenant_code = self._codes.get(tenant)
+            if tenant_code is None or not self._rows:
+                return []
+            mask = self._tenant_of == tenant_code
+            if session_id is not None:
+                mask &= self._session_of == self._codes.get(session_id, -2)
+            query = np.asarray(vector, dtype=np.float32)
+            norm = float(np.linalg.norm(query))
+            cosine = self._vectors @ (query / norm if norm else query)
+            candidates = np.flatnonzero(mask)
+            dense = candidates[np.argsort(-cosine[candidates], kind="stable")[:limit]]
+            keyword: dict[int, float] = {}
+            indices, values = sparse_terms(terms)
+            if indices and keyword_weight > 0:
+                keyword = self._keyword_scores(tenant_code, indices, values, mask)
+                keyword = dict(sorted(keyword.items(), key=lambda item: -item[1])[:limit])
+            hits = {}
+            for row in [*dense.tolist(), *keyword]:
+                if row not in hits:
+                    payload = self._payloads[row]
+                    score = float(cosine[row]) + keyword_weight * keyword.get(row, 0.0)
+                    hits[row] = IndexHit(tenant, payload["memory_id"], payload["version"], score)
+        return sorted(hits.values(), key=lambda hit: hit.score, reverse=True)[:limit]
+
+    def _keyword_scores(self, tenant_code: int, indices: list[int], values: list[float], mask: np.ndarray) -> dict[int, float]:
+        """Rows of the tenant sharing a term with the query, and their IDF-weighted overlap."""
+        postings, corpus = self._postings.get(tenant_code, {}), self._counts.get(tenant_code, 0)
+        scores: dict[int, float] = {}
+        for term, value in zip(indices, values):
+            rows = postings.get(term)
+            if not rows:
+                continue
+            weight = value * math.log((corpus - len(rows) + 0.5) / (len(rows) + 0.5) + 1)
+            for row, stored in rows.items():
+                if mask[row]:
+                    scores[row] = scores.get(row, 0.0) + weight * stored
+        return scores
+
+    def count(self) -> int:
+        with self._mutex:
+            self._open()
+            return len(self._rows)
+
+    # ---------------------------------------------------------------- points
+
+    def _upsert(self, pid: str, vector: Sequence[float], keywords: tuple[list[int], list[float]], payload: dict) -> None:
+        dense = np.asarray(vector, dtype=np.float32)
+        norm = float(np.linalg.norm(dense))
+        dense = dense / norm if norm else dense
+        terms = dict(zip(keywords[0], keywords[1]))
+        row = self._rows.get(pid)
+        if row is not None:
+            if (
+                self._payloads[row] == payload
+                and self._terms[row] == terms
+                and np.array_equal(self._vectors[row], dense)
+            ):
+                return  # already so: a replay or check() that changes nothing costs no rewrite
+            self._drop_row(row)
+        else:
+            row = self._free.pop() if self._free else self._grow()
+        self._rows[pid] = row
+        tenant_code = self._code(payload["tenant"])
+        self._vectors[row] = dense
+        self._tenant_of[row] = tenant_code
+        self._session_of[row] = -1 if payload["session_id"] is None else self._code(payload["session_id"])
+        self._payloads[row] = payload
+        self._terms[row] = terms
+        postings = self._postings.setdefault(tenant_code, {})
+        for term, value in terms.items():
+            postings.setdefault(term, {})[row] = value
+        self._counts[tenant_code] = self._counts.get(tenant_code, 0) + 1
+
+    def _grow(self) -> int:
+        row = len(self._payloads)
+        if row == self._vectors.shape[0]:  # doubling: an add is amortised O(1)
+            capacity = max(64, 2 * row)
+            self._vectors = np.resize(self._vectors, (capacity, self.dimension))
+            self._vectors[row:] = 0.0
+            self._tenant_of = np.concatenate([self._tenant_of[:row], np.full(capacity - row, -1)])
+            self._session_of = np.concatenate([self._session_of[:row], np.full(capacity - row, -1)])
+        self._payloads.append(None)
+        self._terms.append({})
+        return row
+
+    def _drop_row(self, row: int) -> None:
+        tenant_code = int(self._tenant_of[row])
+        postings = self._postings.get(tenant_code, {})
+        for term in self._terms[row]:
+            rows = postings.get(term)
+            if rows is not None:
+                rows.pop(row, None)
+                if not rows:
+                    del postings[term]
+        self._counts[tenant_code] -= 1
+        self._vectors[row] = 0.0
+        self._tenant_of[row] = -1
+        self._session_of[row] = -1
+        self._payloads[row] = None
+        self._terms[row] = {}
+
+    def _delete(self, pids: Sequence[str]) -> None:
+        for pid in pids:
+            row = self._rows.pop(pid, None)
+            if row is not None:
+                self._drop_row(row)
+                self._free.append(row)
+
+    def _flush(self) -> None:
+        pass  # every write is in place already
+
+    def _clear(self) -> None:
+        self._reset_points()
+
+    def _point_ids(self) -> list[str]:
+        return list(self._rows)
+
+    def _read_state(self) -> dict:
+        return self._state
+
+    def _write_state(self, state: dict, applied_now: int) -> None:
+        self._state = state
+        self._unsaved += applied_now
+        if self._folder is not None and self._unsaved >= _SNAPSHOT_EVERY:
+            self._save_snapshot()
+
+    def _rebuilt(self) -> None:
+        if self._folder is not None:
+            self._save_snapshot()
+
+    # ---------------------------------------------------------------- the folder's snapshot
+
+    def _open(self) -> None:
+        if not self._loaded:
+            self._loaded = True
+            if self._folder is not None:
+                self._load_snapshot()
+
+    def _load_snapshot(self) -> None:
+        """Fill the index from the folder's snapshot; a missing or unreadable one leaves it empty
+        (the log is then replayed whole: the snapshot only saves time)."""
+        from safetensors import SafetensorError, safe_open
+
+        path = os.path.join(self._folder, _SNAPSHOT)
+        header = _snapshot_header(path)
+        if header is None:
+            return
+        try:
+            points = header["points"]
+            with safe_open(path, framework="numpy") as snapshot:
+                arrays = {name: snapshot.get_tensor(name) for name in ("vectors", "term_starts", "terms", "term_values")}
+            vectors, starts = arrays["vectors"], arrays["term_starts"]
+            if vectors.dtype != np.float32 or vectors.shape != (len(points), self.dimension) or starts.shape != (len(points) + 1,):
+                raise ValueError("arrays of the wrong shape")
+            if not np.isfinite(vectors).all():
+                raise ValueError("vectors that are not finite")
+            for row, (pid, tenant, memory_id, version, session_id) in enumerate(points):
+                payload = {"tenant": tenant, "memory_id": memory_id, "version": version, "session_id": session_id}
+                if not (isinstance(tenant, str) and isinstance(memory_id, str) and isinstance(version, int)):
+                    raise ValueError("a point without tenant, memory id or version")
+                if session_id is not None and not isinstance(session_id, str):
+                    raise ValueError("a point whose session is not text")
+                if pid != point_id(tenant, memory_id):
+                    raise ValueError("a point under another memory's id")
+                span = slice(int(starts[row]), int(starts[row + 1]))
+                keywords = (arrays["terms"][span].tolist(), arrays["term_values"][span].tolist())
+                self._upsert(pid, vectors[row], keywords, payload)
+            state = _parse_state(json.dumps(header["state"]))
+        except (SafetensorError, OSError, ValueError, KeyError, TypeError, IndexError) as exc:
+            logger.warning("ignoring the index snapshot %s (%s): replaying the log", path, exc)
+            self._reset_points()
+            return
+        self._state = state
+
+    def _save_snapshot(self) -> None:
+        """Write the folder's snapshot whole, under a new name first (a reader never sees half of one)."""
+        from safetensors.numpy import save_file
+
+        rows = sorted(self._rows.items(), key=lambda item: item[1])
+        points, starts, terms, values = [], [0], [], []
+        for pid, row in rows:
+            payload = self._payloads[row]
+            points.append([pid, payload["tenant"], payload["memory_id"], payload["version"], payload["session_id"]])
+            terms.extend(self._terms[row])
+            values.extend(self._terms[row].values())
+            starts.append(len(terms))
+        tensors = {
+            "vectors": np.ascontiguousarray(self._vectors[[row for _, row in rows]].reshape(len(rows), self.dimension)),
+            "term_starts": np.asarray(starts, dtype=np.int64),
+            "terms": np.asarray(terms, dtype=np.int64),
+            "term_values": np.asarray(values, dtype=np.float32),
+        }
+        header = {"embedder": self.embedder_name, "dimension": self.dimension, "state": self._state, "points": points}
+        temporary = os.path.join(self._folder, f".{_SNAPSHOT}.{uuid.uuid4().hex}")
+        try:
+            save_file(tensors, temporary, metadata={"kvshift_index": json.dumps(header)})
+            os.replace(temporary, os.path.join(self._folder, _SNAPSHOT))
+        except OSError as exc:  # a snapshot only saves time: the log stays the source
+            logger.warning("cannot write the index snapshot in %s: %s", self._folder, exc)
+            with contextlib.suppress(OSError):
+                os.remove(temporary)
+            return
+        self._unsaved = 0
+
+    def close(self) -> None:
+        with self._mutex:
+            if self._folder is not None and self._unsaved:
+                self._save_snapshot()
+
+
+class QdrantIndex(_LogFollower):
+    """A collection of one point per live memory on a Qdrant server, with tenant and session payload.
+
+    :param location: the server's ``http(s)://`` URL.
+    :param dimension: the embedder's vector size; ``embedder_name`` is recorded and checked so
+        vectors of two different embedders are never compared.
+    :raises StoreError: the server cannot be reached, or holds vectors of another embedder.
+    """
+
+    _BATCH = 256
+
+    def __init__(self, location: str, dimension: int, embedder_name: str) -> None:
+        super().__init__()
+        self.location = location
+        self.dimension = dimension
+        self.embedder_name = embedder_name
+        self._client = None
+        self._writes: dict[str, tuple | None] = {}
+
+    def _open(self) -> None:
+        if self._client is not None:
+            return
         from qdrant_client import QdrantClient
 
-        with self._mutex:
-            if self._client is None:
-                try:
-                    client = QdrantClient(url=self.location) if self._remote else QdrantClient(":memory:")
-                except Exception as exc:  # qdrant-client raises many types for one "cannot connect"
-                    raise StoreError(f"cannot open the Qdrant index at {self.location}: {exc}") from exc
-                self._ensure_collections(client)
-                if self._folder is not None:
-                    self._load_snapshot(client)
-                self._client = client
-            yield self._client
+        try:
+            client = QdrantClient(url=self.location)
+            self._ensure_collections(client)
+        except StoreError:
+            raise
+        except Exception as exc:  # qdrant-client raises many types for one "cannot connect"
+            raise StoreError(f"cannot open the Qdrant index at {self.location}: {exc}") from exc
+        self._client = client
 
     def _ensure_collections(self, client) -> None:
         from qdrant_client import models
@@ -139,10 +537,9 @@ class QdrantIndex:
                 sparse_vectors_config={_KEYWORDS: models.SparseVectorParams(modifier=models.Modifier.IDF)},
                 metadata={"embedder": self.embedder_name},
             )
-            if self._remote:  # local mode filters without payload indexes (and warns about them)
-                client.create_payload_index(COLLECTION, "tenant", models.PayloadSchemaType.KEYWORD)
-                client.create_payload_index(COLLECTION, "session_id", models.PayloadSchemaType.KEYWORD)
-            # new points: whatever state was kept belongs to points that are gone (a wiped server)
+            client.create_payload_index(COLLECTION, "tenant", models.PayloadSchemaType.KEYWORD)
+            client.create_payload_index(COLLECTION, "session_id", models.PayloadSchemaType.KEYWORD)
+            # new points: a kept sync state belongs to points that are gone (a wiped server)
             if client.collection_exists(_STATE_COLLECTION):
                 client.delete_collection(_STATE_COLLECTION)
         else:
@@ -154,12 +551,8 @@ class QdrantIndex:
                     f"the index at {self.location} holds {size}-d vectors of {embedder!r}; "
                     f"this store embeds with {self.embedder_name!r} ({self.dimension}-d)"
                 )
-        if self._remote and not client.collection_exists(_STATE_COLLECTION):
-            client.create_collection(
-                _STATE_COLLECTION, vectors_config=models.VectorParams(size=1, distance=models.Distance.DOT)
-            )
-
-    # ---------------------------------------------------------------- sync and search
+        if not client.collection_exists(_STATE_COLLECTION):
+            client.create_collection(_STATE_COLLECTION, vectors_config=models.VectorParams(size=1, distance=models.Distance.DOT))
 
     def search(
         self,
@@ -167,19 +560,15 @@ class QdrantIndex:
         tenant: str,
         session_id: str | None,
         limit: int,
-        read_log: Callable[[int], list[bytes]],
-        state_of: Callable[[str, str], IndexedState | None],
+        read_log: ReadLog,
+        state_of: StateOf,
         *,
         terms: Sequence[str] = (),
         keyword_weight: float = 0.0,
     ) -> list[IndexHit]:
-        """Bring the index up to date with the log, then the ``limit`` best memories of ``tenant``.
+        """As :meth:`MemoryIndex.search`, on the server (the tenant filter is part of both queries).
 
-        Both paths fetch ``limit`` candidates; a candidate found by one path only gets the other
-        path's score too (its stored vector is read back; a keyword score absent from a list
-        shorter than ``limit`` is zero, and at most the list's lowest otherwise, taken as zero).
-        The tenant (and session, when given) filter is part of both queries: another tenant's
-        points are never candidates.
+        :raises StoreError: the tier or the server failed.
         """
         from qdrant_client import models
 
@@ -187,8 +576,10 @@ class QdrantIndex:
         if session_id is not None:
             conditions.append(models.FieldCondition(key="session_id", match=models.MatchValue(value=session_id)))
         query_filter = models.Filter(must=conditions)
-        with self._session() as client:
-            self._sync(client, read_log, state_of)
+        with self._mutex:
+            self._open()
+            self._sync(read_log, state_of)
+            client = self._client
             dense = client.query_points(COLLECTION, query=list(vector), query_filter=query_filter, limit=limit, with_payload=True).points
             sparse = []
             indices, values = sparse_terms(terms)
@@ -218,271 +609,24 @@ class QdrantIndex:
             hits[pid] = IndexHit(tenant, str(payload.get("memory_id")), int(payload.get("version", 0)), score)
         return sorted(hits.values(), key=lambda hit: hit.score, reverse=True)[:limit]
 
-    def sync(self, read_log: Callable[[int], list[bytes]], state_of: Callable[[str, str], IndexedState | None]) -> int:
-        """Replay the log; returns how many memories were reconciled."""
-        with self._session() as client:
-            return len(self._sync(client, read_log, state_of))
-
-    def rebuild(
-        self,
-        memories: Iterator[tuple[str, str]],
-        read_log: Callable[[int], list[bytes]],
-        state_of: Callable[[str, str], IndexedState | None],
-    ) -> int:
-        """Replay the log and reconcile every given memory in one pass, then drop points of memories
-        neither names (``check()``); returns how many points were dropped."""
-        from qdrant_client import models
-
-        memories = list(memories)
-        with self._session() as client:
-            # a memory added while check() ran is in the log, not in ``memories``: it is no stray
-            named = self._sync(client, read_log, state_of, also=memories)
-            wanted = {point_id(tenant, memory_id) for tenant, memory_id in named}
-            stray, offset = [], None
-            while True:
-                points, offset = client.scroll(COLLECTION, limit=1000, offset=offset, with_payload=False)
-                stray.extend(str(p.id) for p in points if str(p.id) not in wanted)
-                if offset is None:
-                    break
-            if stray:
-                client.delete(COLLECTION, points_selector=models.PointIdsList(points=stray))
-            if self._folder is not None:
-                self._save_snapshot(client)
-            return len(stray)
-
     def count(self) -> int:
-        with self._session() as client:
-            return int(client.count(COLLECTION).count)
-
-    def _sync(self, client, read_log, state_of, also: Sequence[tuple[str, str]] = ()) -> set[tuple[str, str]]:
-        """Reconcile the memories the log names since the last sync, the pending ones, and ``also``;
-        returns them all. A log that no longer holds the last entry applied, where it was, is
-        replayed whole into an emptied index."""
-        state = self._read_state(client)
-        entries = self._entries_since(state, read_log)
-        if entries is None:
-            logger.warning("the store's log went backwards (tier emptied or restored): rebuilding the index at %s", self.location)
-            self._clear_points(client)
-            state = _fresh_state()
-            entries = read_log(0)
-        todo = [(entry["tenant"], entry["id"], entry.get("at", 0.0)) for entry in state["pending"]]
-        todo.extend((tenant, memory_id, time.time()) for tenant, memory_id in also)
-        last = state["last"]
-        for raw in entries:
-            try:
-                entry = json.loads(raw)
-                todo.append((str(entry["tenant"]), str(entry["id"]), time.time()))
-                last = entry.get("n") if isinstance(entry.get("n"), str) else None
-            except (ValueError, KeyError, TypeError, AttributeError):
-                last = None
-                continue  # a damaged log entry names nothing; check() rebuilds from the records
-        first_seen: dict[tuple[str, str], float] = {}
-        for tenant, memory_id, seen_at in todo:
-            first_seen.setdefault((tenant, memory_id), seen_at)
-        pending = []
-        with _Batch(client) as batch:
-            for (tenant, memory_id), seen_at in first_seen.items():
-                if not self._reconcile(batch, tenant, memory_id, state_of) and time.time() - seen_at < _PENDING_GRACE_S:
-                    pending.append({"tenant": tenant, "id": memory_id, "at": seen_at})
-        if entries or pending != state["pending"]:
-            self._write_state(client, {"applied": state["applied"] + len(entries), "last": last, "pending": pending})
-            self._unsaved += len(entries)
-            if self._folder is not None and self._unsaved >= _SNAPSHOT_EVERY:
-                self._save_snapshot(client)
-        return set(first_seen)
-
-    @staticmethod
-    def _entries_since(state: dict, read_log) -> list[bytes] | None:
-        """The log's entries past the last one applied; ``None`` when that entry is not where it was."""
-        if state["applied"] == 0:
-            return read_log(0)
-        entries = read_log(state["applied"] - 1)
-        if not entries:
-            return None
-        if state["last"] is not None:
-            try:
-                if json.loads(entries[0]).get("n") != state["last"]:
-                    return None
-            except (ValueError, AttributeError):
-                return None
-        return entries[1:]
-
-    def _clear_points(self, client) -> None:
-        client.delete_collection(COLLECTION)
-        self._ensure_collections(client)
-
-    @staticmethod
-    def _reconcile(batch: _Batch, tenant: str, memory_id: str, state_of) -> bool:
-        """Make this memory's point match its state; ``False`` when it has no state yet (add in flight)."""
-        state = state_of(tenant, memory_id)
-        if state is None:
-            return False
-        pid = point_id(tenant, memory_id)
-        if state.vector is None:
-            batch.delete(pid)
-        else:
-            payload = {"tenant": tenant, "memory_id": memory_id, "version": state.version, "session_id": state.session_id}
-            indices, values = sparse_terms(state.keywords)
-            batch.upsert(pid, list(state.vector), (indices, values), payload)
-        return True
-
-    def _read_state(self, client) -> dict:
-        if not self._remote:
-            return self._state
-        found = client.retrieve(_STATE_COLLECTION, ids=[_STATE_POINT], with_payload=True)
-        if not found:
-            return _fresh_state()
-        return _parse_state(found[0].payload.get("state") if found[0].payload else None)
-
-    def _write_state(self, client, state: dict) -> None:
-        if not self._remote:
-            self._state = state
-            return
-        from qdrant_client import models
-
-        client.upsert(
-            _STATE_COLLECTION,
-            points=[models.PointStruct(id=_STATE_POINT, vector=[1.0], payload={"state": json.dumps(state)})],
-        )
-
-    # ---------------------------------------------------------------- the folder's snapshot
-
-    def _check_snapshot_embedder(self, path: str) -> None:
-        header = _snapshot_header(path)
-        if header is not None and (header.get("dimension"), header.get("embedder")) != (self.dimension, self.embedder_name):
-            raise StoreError(
-                f"the index at {self.location} holds {header.get('dimension')}-d vectors of "
-                f"{header.get('embedder')!r}; this store embeds with {self.embedder_name!r} ({self.dimension}-d)"
-            )
-
-    def _load_snapshot(self, client) -> None:
-        """Fill ``client`` from the folder's snapshot; a missing or unreadable one leaves it empty
-        (the log is then replayed whole: the snapshot only saves time)."""
-        from safetensors import SafetensorError, safe_open
-
-        path = os.path.join(self._folder, _SNAPSHOT)
-        header = _snapshot_header(path)
-        if header is None:
-            return
-        try:
-            points = header["points"]
-            with safe_open(path, framework="numpy") as snapshot:
-                vectors = snapshot.get_tensor("vectors") if points else None
-            if vectors is not None and (vectors.dtype.name != "float32" or vectors.shape != (len(points), self.dimension)):
-                raise ValueError(f"vectors of shape {vectors.shape}")
-            with _Batch(client) as batch:
-                for row, (pid, payload, indices, values) in enumerate(points):
-                    payload = {k: payload[k] for k in ("tenant", "memory_id", "version", "session_id")}
-                    if not (isinstance(payload["tenant"], str) and isinstance(payload["memory_id"], str)):
-                        raise ValueError("a point without tenant or memory id")
-                    if str(uuid.UUID(pid)) != pid or pid != point_id(payload["tenant"], payload["memory_id"]):
-                        raise ValueError("a point under another memory's id")
-                    batch.upsert(pid, vectors[row].tolist(), ([int(i) for i in indices], [float(v) for v in values]), payload)
-            state = _parse_state(json.dumps(header["state"]))
-        except (SafetensorError, OSError, ValueError, KeyError, TypeError) as exc:
-            logger.warning("ignoring the index snapshot %s (%s): replaying the log", path, exc)
-            self._clear_points(client)
-            return
-        self._state = state
-
-    def _save_snapshot(self, client) -> None:
-        """Write the folder's snapshot whole, under a new name first (a reader never sees half of one)."""
-        import numpy as np
-        from safetensors.numpy import save_file
-
-        points, vectors, offset = [], [], None
-        while True:
-            batch, offset = client.scroll(COLLECTION, limit=1000, offset=offset, with_payload=True, with_vectors=True)
-            for point in batch:
-                sparse = point.vector[_KEYWORDS]
-                points.append([str(point.id), point.payload, list(sparse.indices), list(sparse.values)])
-                vectors.append(point.vector[""])
-            if offset is None:
-                break
-        header = {"embedder": self.embedder_name, "dimension": self.dimension, "state": self._state, "points": points}
-        tensors = {"vectors": np.asarray(vectors, dtype=np.float32).reshape(len(vectors), self.dimension)}
-        temporary = os.path.join(self._folder, f".{_SNAPSHOT}.{uuid.uuid4().hex}")
-        try:
-            save_file(tensors, temporary, metadata={"kvshift_index": json.dumps(header)})
-            os.replace(temporary, os.path.join(self._folder, _SNAPSHOT))
-        except OSError as exc:  # a snapshot only saves time: the log stays the source
-            logger.warning("cannot write the index snapshot in %s: %s", self._folder, exc)
-            with contextlib.suppress(OSError):
-                os.remove(temporary)
-            return
-        self._unsaved = 0
-
-    def close(self) -> None:
         with self._mutex:
-            if self._client is not None:
-                if self._folder is not None and self._unsaved:
-                    self._save_snapshot(self._client)
-                self._client.close()
-                self._client = None
+            self._open()
+            return int(self._client.count(COLLECTION).count)
 
+    def _upsert(self, pid: str, vector: Sequence[float], keywords: tuple[list[int], list[float]], payload: dict) -> None:
+        self._writes[pid] = (list(vector), keywords, payload)
+        if len(self._writes) >= self._BATCH:
+            self._flush()
 
-def _fresh_state() -> dict:
-    return {"applied": 0, "last": None, "pending": []}
+    def _delete(self, pids: Sequence[str]) -> None:
+        for pid in pids:
+            self._writes[pid] = None
+        if len(self._writes) >= self._BATCH:
+            self._flush()
 
-
-def _parse_state(raw: object) -> dict:
-    """A sync state read back; anything malformed is the fresh state (replaying the whole log is always correct)."""
-    try:
-        state = json.loads(raw)  # type: ignore[arg-type]
-        last = state.get("last")
-        pending = [
-            {"tenant": str(p["tenant"]), "id": str(p["id"]), "at": float(p.get("at", 0.0))} for p in state["pending"]
-        ]
-        return {"applied": max(0, int(state["applied"])), "last": last if isinstance(last, str) else None, "pending": pending}
-    except (ValueError, KeyError, TypeError, AttributeError):
-        return _fresh_state()
-
-
-def _snapshot_header(path: str) -> dict | None:
-    """The JSON header of a snapshot file, or ``None`` when there is none or it is not one of ours."""
-    from safetensors import SafetensorError, safe_open
-
-    try:
-        with safe_open(path, framework="numpy") as snapshot:
-            header = json.loads((snapshot.metadata() or {})["kvshift_index"])
-    except FileNotFoundError:
-        return None
-    except (SafetensorError, OSError, ValueError, KeyError, TypeError) as exc:
-        logger.warning("ignoring the index snapshot %s: %s", path, exc)
-        return None
-    return header if isinstance(header, dict) else None
-
-
-def _cosine(a: Sequence[float], b: Sequence[float]) -> float:
-    dot = sum(x * y for x, y in zip(a, b))
-    norm = (sum(x * x for x in a) * sum(y * y for y in b)) ** 0.5
-    return dot / norm if norm else 0.0
-
-
-class _Batch:
-    """Point writes gathered and sent a few hundred at a time (one call per point is slow in local mode).
-
-    A point both deleted and upserted in one batch ends as the last write said: each write
-    replaces the pending one of its point.
-    """
-
-    _SIZE = 256
-
-    def __init__(self, client) -> None:
-        self._client = client
-        self._writes: dict[str, tuple | None] = {}
-
-    def upsert(self, pid: str, vector: list[float], keywords: tuple[list[int], list[float]], payload: dict) -> None:
-        self._writes[pid] = (vector, keywords, payload)
-        if len(self._writes) >= self._SIZE:
-            self.flush()
-
-    def delete(self, pid: str) -> None:
-        self._writes[pid] = None
-        if len(self._writes) >= self._SIZE:
-            self.flush()
-
-    def flush(self) -> None:
+    def _flush(self) -> None:
+        """Send the gathered writes (a point written twice ends as its last write said)."""
         from qdrant_client import models
 
         upserts = [
@@ -495,15 +639,97 @@ class _Batch:
             if w
         ]
         deletes = [pid for pid, write in self._writes.items() if write is None]
+        self._writes.clear()
         if upserts:
             self._client.upsert(COLLECTION, points=upserts)
         if deletes:
             self._client.delete(COLLECTION, points_selector=models.PointIdsList(points=deletes))
+
+    def _clear(self) -> None:
         self._writes.clear()
+        self._client.delete_collection(COLLECTION)
+        self._ensure_collections(self._client)
 
-    def __enter__(self) -> _Batch:
-        return self
+    def _point_ids(self) -> list[str]:
+        self._flush()
+        ids, offset = [], None
+        while True:
+            points, offset = self._client.scroll(COLLECTION, limit=1000, offset=offset, with_payload=False)
+            ids.extend(str(p.id) for p in points)
+            if offset is None:
+                return ids
 
-    def __exit__(self, *exc: object) -> None:
-        if exc[0] is None:
-            self.flush()
+    def _read_state(self) -> dict:
+        found = self._client.retrieve(_STATE_COLLECTION, ids=[_STATE_POINT], with_payload=True)
+        if not found:
+            return _fresh_state()
+        return _parse_state((found[0].payload or {}).get("state"))
+
+    def _write_state(self, state: dict, applied_now: int) -> None:
+        from qdrant_client import models
+
+        self._client.upsert(
+            _STATE_COLLECTION,
+            points=[models.PointStruct(id=_STATE_POINT, vector=[1.0], payload={"state": json.dumps(state)})],
+        )
+
+    def _rebuilt(self) -> None:
+        self._flush()
+
+    def close(self) -> None:
+        with self._mutex:
+            if self._client is not None:
+                self._client.close()
+                self._client = None
+
+
+def _entries_since(state: dict, read_log: ReadLog) -> list[bytes] | None:
+    """The log's entries past the last one applied; ``None`` when that entry is not where it was."""
+    if state["applied"] == 0:
+        return read_log(0)
+    entries = read_log(state["applied"] - 1)
+    if not entries:
+        return None
+    if state["last"] is not None:
+        try:
+            if json.loads(entries[0]).get("n") != state["last"]:
+                return None
+        except (ValueError, AttributeError):
+            return None
+    return entries[1:]
+
+
+def _fresh_state() -> dict:
+    return {"applied": 0, "last": None, "pending": []}
+
+
+def _parse_state(raw: object) -> dict:
+    """A sync state read back; anything malformed is the fresh state (replaying the whole log is always correct)."""
+    try:
+        state = json.loads(raw)  # type: ignore[arg-type]
+        last = state.get("last")
+        pending = [{"tenant": str(p["tenant"]), "id": str(p["id"]), "at": float(p.get("at", 0.0))} for p in state["pending"]]
+        return {"applied": max(0, int(state["applied"])), "last": last if isinstance(last, str) else None, "pending": pending}
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return _fresh_state()
+
+
+def _snapshot_header(path: str) -> dict | None:
+    """The JSON header of a snapshot file, or ``None`` when there is none or it is not one of ours."""
+    from safetensors import SafetensorError, safe_open
+
+    if not os.path.exists(path):
+        return None
+    try:
+        with safe_open(path, framework="numpy") as snapshot:
+            header = json.loads((snapshot.metadata() or {})["kvshift_index"])
+    except (SafetensorError, OSError, ValueError, KeyError, TypeError) as exc:
+        logger.warning("ignoring the index snapshot %s: %s", path, exc)
+        return None
+    return header if isinstance(header, dict) else None
+
+
+def _cosine(a: Sequence[float], b: Sequence[float]) -> float:
+    dot = sum(x * y for x, y in zip(a, b))
+    norm = (sum(x * x for x in a) * sum(y * y for y in b)) ** 0.5
+    return dot / norm if norm else 0.0

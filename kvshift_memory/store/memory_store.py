@@ -47,7 +47,7 @@ from ..exceptions import (
     StoreError,
     VersionConflictError,
 )
-from .index import IndexedState, QdrantIndex
+from .index import IndexedState, open_index
 from .keywords import keywords
 from .records import MemoryRecord, text_hash
 from .tiers import BLOB_PREFIX, HotTier, KVTier, open_tier
@@ -164,7 +164,7 @@ class MemoryStore:
             embedder = MiniLMEmbedder()
         self.embedder = embedder
         location = index_url if index_url is not None else (Path(path) / "index" if path is not None else ":memory:")
-        self.index = QdrantIndex(location, int(embedder.dimension), str(embedder.name))
+        self.index = open_index(location, int(embedder.dimension), str(embedder.name))
         self.corrupt_fragments = 0
 
     # ---------------------------------------------------------------- public API
@@ -404,7 +404,7 @@ class MemoryStore:
         :raises StoreError: the tier failed.
         """
         report = CheckReport(ok=True, memories=0, fragments=0)
-        live_ids = []
+        states: dict[tuple[str, str], IndexedState] = {}  # what each memory's index point must be
         for key in list(self.tier.scan("h/")):
             parts = _split(key)
             head = _parse_head(self._get_or_report(key, report))
@@ -413,7 +413,7 @@ class MemoryStore:
                 report.ok = False
                 continue
             tenant, memory_id = parts[1], parts[2]
-            live_ids.append((tenant, memory_id))
+            states[(tenant, memory_id)] = IndexedState(head["v"], None, None)
             if head["deleted"]:
                 continue
             report.memories += 1
@@ -433,9 +433,10 @@ class MemoryStore:
                 state = "missing or damaged" if embedding is None else "computed from another text"
                 problem = f"memory {memory_id} of {tenant!r}: embedding {state}"
                 report.problems.append(problem)
-                vector = self.embedder.embed([record.text])[0]
-                self.tier.set(embedding_key, _pack_embedding(record.source_text_hash, vector))
+                embedding = (record.source_text_hash, self.embedder.embed([record.text])[0])
+                self.tier.set(embedding_key, _pack_embedding(*embedding))
                 report.repaired.append(f"{problem} (embedded again)")
+            states[(tenant, memory_id)] = IndexedState(head["v"], record.session_id, embedding[1], memory_keywords(record))
         for key in list(self.tier.scan(BLOB_PREFIX)):
             parts = _split(key)
             report.fragments += 1
@@ -453,7 +454,7 @@ class MemoryStore:
                 self.tier.delete(key)
                 self._hot.delete(key)
                 report.repaired.append(f"{problem} (dropped; re-encoded from text on next use)")
-        strays = self.index.rebuild(iter(live_ids), self._read_log, self._index_state)
+        strays = self.index.rebuild(states, self._read_log, self._index_state)
         if strays:
             report.problems.append(f"index held {strays} points of no memory")
             report.repaired.append(f"removed {strays} stray index points")
