@@ -35,6 +35,9 @@ _OPEN = re.compile(r"⟦mem:([^⟦⟧@\s]{1,256})@([1-9][0-9]{0,8})⟧")
 # anything marker-shaped, well-formed or not: none of it may reach the model
 _ANY_MARKER = re.compile(r"⟦/?mem\b[^⟦⟧]{0,300}⟧|⟦/?mem\b")
 _CLOSE = "⟦/mem⟧"
+#: markers past this many in one text are read as plain text: no prompt holds more memories
+#: usefully, and each marker costs a store lookup
+MAX_RESOLVED_MARKERS = 256
 
 
 @dataclass(frozen=True)
@@ -95,15 +98,19 @@ def resolve_markers(text: str, store: Any, *, tenant: str, session_id: str | Non
     """Plain text pieces and the memory records the markers in ``text`` rightly name.
 
     :param store: a :class:`MemoryStore`; ids are looked up with ``store.get(id, tenant=tenant)``,
-        so only the caller's own memories can ever resolve.
+        so only the caller's own memories can ever resolve; markers past the first
+        :data:`MAX_RESOLVED_MARKERS` are plain text.
     :returns: strings (plain text, markers removed) and records, in order.
     :raises InvalidInputError: ``text`` or ``tenant`` is not valid text.
     """
     tenant = inputs.check_identifier(tenant, "tenant")
     out: list[str | MemoryRecord] = []
+    plain: list[str] = []  # the plain text since the last record, joined once (repeated += is quadratic)
+    looked_up = 0
     for span in parse_markers(text):
         record = None
-        if span.memory_id is not None:
+        if span.memory_id is not None and looked_up < MAX_RESOLVED_MARKERS:
+            looked_up += 1
             try:
                 record = store.get(span.memory_id, tenant=tenant)
             except InvalidInputError:  # an id no memory could have
@@ -116,12 +123,15 @@ def resolve_markers(text: str, store: Any, *, tenant: str, session_id: str | Non
                 and record.source_text_hash == text_hash(span.text)
             ):
                 record = None
-        if record is not None:
-            out.append(record)
-        elif out and isinstance(out[-1], str):
-            out[-1] += span.text
-        elif span.text:
-            out.append(span.text)
+        if record is None:
+            plain.append(span.text)
+            continue
+        if "".join(plain):
+            out.append("".join(plain))
+        plain = []
+        out.append(record)
+    if "".join(plain):
+        out.append("".join(plain))
     return out
 
 
@@ -140,13 +150,20 @@ def marked_user_message(
     """
     if store is None or tenant is None or "⟦" not in text:
         return {"role": "user", "content": strip_markers(text)}
-    content, records, offsets = "", [], []
+    pieces: list[str] = []
+    records: list[MemoryRecord] = []
+    offsets: list[int] = []
+    length = 0
     for piece in resolve_markers(text, store, tenant=tenant, session_id=session_id):
         if isinstance(piece, str):
-            content += piece[1:] if records and offsets[-1] == len(content) and piece.startswith("\n") else piece
+            if records and offsets[-1] == length and piece.startswith("\n"):
+                piece = piece[1:]
+            pieces.append(piece)
+            length += len(piece)
         else:
             records.append(piece)
-            offsets.append(len(content))
+            offsets.append(length)
+    content = "".join(pieces)
     if not records:
         return {"role": "user", "content": content}
     return {"role": "user", "content": content, "memories": records, "memories_at": offsets}

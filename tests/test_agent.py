@@ -161,6 +161,26 @@ def test_correct_without_a_close_memory_raises_and_changes_nothing(bundled_engin
     assert store.stats()["memories"] == 0
 
 
+def test_a_correction_never_lands_on_a_text_changed_since_it_was_read(bundled_engine, store, monkeypatch):
+    from kvshift_memory.exceptions import VersionConflictError
+
+    agent = _agent(bundled_engine, store)
+    old = agent.add("The budget for the Lisbon trip is 50k euros.")
+    read = store.get
+
+    def read_then_someone_else_writes(memory_id, *, tenant):
+        found = read(memory_id, tenant=tenant)
+        store.supersede(memory_id, "The budget for the Lisbon trip is 80k euros.", tenant=tenant)
+        return found
+
+    monkeypatch.setattr(store, "get", read_then_someone_else_writes)
+    with pytest.raises(VersionConflictError):
+        agent.correct("The budget is 70k euros.", old.id)
+    monkeypatch.undo()
+    assert [h.text for h in agent.history(old.id)] == [old.text, "The budget for the Lisbon trip is 80k euros."]
+    agent.chat("Thanks.")  # the session was released
+
+
 def test_a_question_or_a_far_message_is_not_a_correction(bundled_engine, store):
     agent = _agent(bundled_engine, store)
     old = agent.add("The budget for the Lisbon trip is 50k euros.")

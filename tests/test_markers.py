@@ -101,3 +101,27 @@ def test_marked_memories_become_memories_where_their_markers_stood():
     for message in (marked_user_message(marked, store, tenant="bob"), marked_user_message(marked)):
         assert message == {"role": "user", "content": strip_markers(marked)} and "⟦" not in message["content"]
     assert marked_user_message(marked, store, tenant="alice", session_id="s2")["content"] == strip_markers(marked)
+
+
+@pytest.mark.parametrize(
+    "unit",
+    [
+        "⟦mem:abc@1⟧",  # openings that never close
+        "⟦mem:abc@1⟧x",
+        "⟦mem:abc@1⟧a⟦/mem⟧",  # well-formed spans, each a store lookup
+        "⟦mem:abc@1⟧⟦mem:abc@1⟧b⟦/mem⟧",  # nested
+        "⟦mem " + "x" * 290,  # marker-shaped openings the strip pattern scans ahead of
+    ],
+)
+def test_a_hostile_million_characters_are_handled_in_under_a_second(unit):
+    import time
+
+    from kvshift_memory.inputs import MAX_TEXT_CHARS
+
+    text = (unit * (MAX_TEXT_CHARS // len(unit) + 1))[:MAX_TEXT_CHARS]
+    store = _RecordsStore(_record(memory_id="abc"))
+    started = time.perf_counter()
+    parse_markers(text)
+    message = marked_user_message(text, store, tenant="alice")
+    assert time.perf_counter() - started < 1.0
+    assert strip_markers(message["content"]) == message["content"]  # nothing marker-shaped reaches the model

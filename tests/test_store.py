@@ -386,3 +386,39 @@ def test_a_tampered_folder_runs_nothing_and_touches_nothing_outside(tmp_path):
     store.close()
     assert not marker.exists()
     assert outside.read_text() == "precious"
+
+
+def test_gc_frees_what_killed_writers_left_and_keeps_writes_in_flight(make_store, monkeypatch):
+    import json as json_module
+
+    from kvshift_memory.store import memory_store
+
+    store = make_store()
+    record = store.add("The budget is 50k.", tenant="alice")
+    store.supersede(record.id, "The budget is 70k.", tenant="alice")
+    live = store.get(record.id, tenant="alice")
+
+    def plant(version: int, writer: str, age_s: float) -> None:
+        """What a writer killed between its data and its head leaves behind."""
+        stale = json_module.loads(store.tier.get(next(iter(store.tier.scan(f"r/alice/{record.id}/2/")))))
+        stale.update(version=version, text=f"killed writer {writer}", created_at=time.time() - age_s)
+        stale["source_text_hash"] = text_hash(stale["text"])
+        store.tier.set(f"r/alice/{record.id}/{version}/{writer}", json_module.dumps(stale).encode())
+        store.tier.set(f"e/alice/{record.id}/{version}/{writer}", b"\\0" * 8)
+
+    plant(3, "a" * 32, age_s=3600)  # the next version, abandoned long ago
+    plant(3, "b" * 32, age_s=0)  # the next version, being written right now
+    plant(2, "c" * 32, age_s=0)  # lost the race for version 2: can never be published
+    store.gc()
+    left = set(store.tier.scan(f"r/alice/{record.id}/")) | set(store.tier.scan(f"e/alice/{record.id}/"))
+    assert not any("a" * 32 in key or "c" * 32 in key for key in left)
+    assert any("b" * 32 in key for key in left)
+    assert [h.text for h in store.history(record.id, tenant="alice")] == ["The budget is 50k.", "The budget is 70k."]
+    assert store.get(record.id, tenant="alice").text == live.text == "The budget is 70k."
+    monkeypatch.setattr(memory_store, "_ORPHAN_GRACE_S", -1.0)
+    store.gc()
+    assert not any("b" * 32 in key for key in store.tier.scan(f"r/alice/{record.id}/"))
+    # a deleted memory's publication pointers go with everything else
+    assert store.delete(record.id, tenant="alice")
+    store.gc()
+    assert [key for key in store.tier.scan("") if record.id in key and not key.startswith("h/")] == []

@@ -511,8 +511,10 @@ class QdrantIndex(_LogFollower):
     def _open(self) -> None:
         if self._client is not None:
             return
-        from qdrant_client import QdrantClient
-
+        try:
+            from qdrant_client import QdrantClient
+        except ImportError:
+            raise StoreError("an index on a Qdrant server needs qdrant-client: pip install 'kvshift-memory[qdrant]'") from None
         try:
             client = QdrantClient(url=self.location)
             self._ensure_collections(client)
