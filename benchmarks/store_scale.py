@@ -52,7 +52,7 @@ class TableEmbedder:
     def __init__(self, embedder: MiniLMEmbedder, texts: list[str]) -> None:
         self.name, self.dimension = embedder.name, embedder.dimension
         self._embedder = embedder
-        self._table = dict(zip(texts, embedder.embed(texts)))
+        self._table = dict(zip(texts, embedder.embed(texts), strict=True))
 
     def embed(self, texts):
         return [self._table[t] if t in self._table else self._embedder.embed([t])[0] for t in texts]

@@ -13,8 +13,8 @@ rules, which make markers safe to accept from any text (including a user's messa
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from . import inputs

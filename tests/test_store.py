@@ -5,7 +5,6 @@ from __future__ import annotations
 import time
 
 import numpy as np
-
 import pytest
 
 from kvshift_memory import MemoryRecord, MemoryStore
@@ -266,10 +265,10 @@ def test_racing_supersedes_publish_exactly_one_writer(backend, tmp_path, request
         start = threading.Barrier(2)
         outcomes: dict[str, object] = {}
 
-        def write(text: str) -> None:
+        def write(text: str, start=start, outcomes=outcomes, memory_id=record.id) -> None:
             start.wait()
             try:
-                outcomes[text] = store.supersede(record.id, text, tenant="alice", expected_version=1)
+                outcomes[text] = store.supersede(memory_id, text, tenant="alice", expected_version=1)
             except VersionConflictError as exc:
                 outcomes[text] = exc
 

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from kvshift_memory.blobs import verify_blob
-from kvshift_memory.kv.codec import decode_fragment
 from kvshift_memory.exceptions import StoreError
+from kvshift_memory.kv.codec import decode_fragment
 from kvshift_memory.store import MemoryStore
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -161,7 +161,7 @@ def test_redis_restarted_empty_mid_process_still_indexes_new_memories():
             store.add(f"Old memory number {n} about the garden.", tenant="alice")
         assert len(store.search("the garden", tenant="alice", k=10)) == 5
         server.restart()
-        for attempt in range(20):  # the client reconnects on its next call
+        for _ in range(20):  # the client reconnects on its next call
             try:
                 fresh = store.add("The spare key is under the blue flower pot.", tenant="alice")
                 break
