@@ -421,3 +421,25 @@ def test_gc_frees_what_killed_writers_left_and_keeps_writes_in_flight(make_store
     assert store.delete(record.id, tenant="alice")
     store.gc()
     assert [key for key in store.tier.scan("") if record.id in key and not key.startswith("h/")] == []
+
+
+def test_check_moves_a_memory_an_earlier_build_wrote(make_store):
+    """Heads without a writer, versions under r/t/m/v: unread until check() moves them, never freed by gc()."""
+    import json as json_module
+
+    store = make_store()
+    first = MemoryRecord("m1", 1, "The budget is 50k.", "alice", "trip", 1.0, text_hash("The budget is 50k."))
+    second = MemoryRecord("m1", 2, "The budget is 70k.", "alice", "trip", 2.0, text_hash("The budget is 70k."))
+    store.tier.set("r/alice/m1/1", first.to_json())
+    store.tier.set("r/alice/m1/2", second.to_json())
+    store.tier.set("e/alice/m1/2", b"\0" * 4 * store.index.dimension)
+    store.tier.set("h/alice/m1", json_module.dumps({"deleted": False, "v": 2}).encode())
+    store.tier.append("log", json_module.dumps({"tenant": "alice", "id": "m1"}).encode())
+    assert store.get("m1", tenant="alice") is None
+    store.gc()  # must not take the earlier layout's keys for garbage
+    report = store.check()
+    assert report.ok and any("earlier build" in r for r in report.repaired)
+    assert [(r.version, r.text) for r in store.history("m1", tenant="alice")] == [(1, first.text), (2, second.text)]
+    assert store.search("what is the budget", tenant="alice", k=1)[0].text == second.text
+    assert not [key for key in store.tier.scan("") if key.count("/") == 3 and key[:2] in ("r/", "e/")]
+    assert store.check().repaired == []

@@ -365,8 +365,7 @@ class MemoryStore:
             for key in list(self.tier.scan(prefix)):
                 parts = _split(key)
                 if len(parts) != (4 if prefix == "p/" else 5) or not parts[3].isdigit():
-                    self._free(key, report)
-                    continue
+                    continue  # not a key this layout writes (an earlier one's: check() moves those)
                 if not self._in_use(prefix, parts, heads.get((parts[1], parts[2])), now):
                     self._free(key, report)
                 elif prefix == BLOB_PREFIX and keep_model_fingerprint is not None:
@@ -407,7 +406,10 @@ class MemoryStore:
         states: dict[tuple[str, str], IndexedState] = {}  # what each memory's index point must be
         for key in list(self.tier.scan("h/")):
             parts = _split(key)
-            head = _parse_head(self._get_or_report(key, report))
+            raw_head = self._get_or_report(key, report)
+            head = _parse_head(raw_head)
+            if len(parts) == 3 and head is None and _is_earlier_head(raw_head):
+                head = self._move_to_writer_keys(parts[1], parts[2], raw_head, report)
             if len(parts) != 3 or head is None:
                 report.problems.append(f"unreadable head {key!r}")
                 report.ok = False
@@ -459,6 +461,37 @@ class MemoryStore:
             report.problems.append(f"index held {strays} points of no memory")
             report.repaired.append(f"removed {strays} stray index points")
         return report
+
+    def _move_to_writer_keys(self, tenant: str, memory_id: str, raw_head: bytes, report: CheckReport) -> dict | None:
+        """A memory an earlier build wrote (versions under ``r/t/m/v``, no writer in its head),
+        copied to this layout and published by compare-and-set; the old keys are then removed.
+
+        :returns: its new head, or ``None`` when its live version's record is missing.
+        """
+        earlier = json.loads(raw_head)
+        version, deleted = earlier["v"], bool(earlier.get("deleted"))
+        writers = {}
+        for old_version in range(1, version + 1):
+            raw = self._get_row(_k("r", tenant, memory_id, old_version))
+            if raw is not None:
+                writers[old_version] = uuid.uuid4().hex
+                self.tier.set(_k("r", tenant, memory_id, old_version, writers[old_version]), raw)
+                if old_version < version:
+                    self.tier.set(_k("p", tenant, memory_id, old_version), writers[old_version].encode())
+        live = self._read_record(tenant, memory_id, version, writers[version]) if version in writers else None
+        if live is None:
+            return None
+        vector = self.embedder.embed([live.text])[0]
+        self.tier.set(_k("e", tenant, memory_id, version, writers[version]), _pack_embedding(live.source_text_hash, vector))
+        self.tier.append(_LOG, _log_entry(tenant, memory_id))
+        new_head = _head(version, writers[version], deleted=deleted)
+        if not self.tier.compare_and_set(_k("h", tenant, memory_id), raw_head, new_head):
+            return _parse_head(self._get_row(_k("h", tenant, memory_id)))  # another check() moved it first
+        for old_version in range(1, version + 1):
+            for kind in ("r", "e"):
+                self.tier.delete(_k(kind, tenant, memory_id, old_version))
+        report.repaired.append(f"memory {memory_id} of {tenant!r}: moved from an earlier build's layout")
+        return _parse_head(new_head)
 
     def _get_or_report(self, key: str, report: CheckReport) -> bytes | None:
         """A key's value, or ``None`` (the problem noted) when the tier refuses to read its row."""
@@ -742,6 +775,15 @@ def _parse_head(raw: bytes | None) -> dict | None:
         return None
     head["deleted"] = bool(head.get("deleted"))
     return head
+
+
+def _is_earlier_head(raw: bytes | None) -> bool:
+    """A head as builds before writer keys wrote it: a version and a deleted flag, no writer."""
+    try:
+        head = json.loads(raw) if raw is not None else None
+    except (UnicodeDecodeError, ValueError):
+        return False
+    return isinstance(head, dict) and "w" not in head and isinstance(head.get("v"), int) and head["v"] >= 1
 
 
 def _log_entry(tenant: str, memory_id: str) -> bytes:
