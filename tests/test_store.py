@@ -443,3 +443,27 @@ def test_check_moves_a_memory_an_earlier_build_wrote(make_store):
     assert store.search("what is the budget", tenant="alice", k=1)[0].text == second.text
     assert not [key for key in store.tier.scan("") if key.count("/") == 3 and key[:2] in ("r/", "e/")]
     assert store.check().repaired == []
+
+
+def test_gc_running_beside_supersedes_loses_no_version(make_store):
+    import threading
+
+    store = make_store()
+    record = store.add("Version 1 of the plan.", tenant="alice")
+    stop = threading.Event()
+
+    def collect() -> None:
+        while not stop.is_set():
+            store.gc()
+
+    collector = threading.Thread(target=collect)
+    collector.start()
+    try:
+        for version in range(2, 41):
+            store.supersede(record.id, f"Version {version} of the plan.", tenant="alice", expected_version=version - 1)
+    finally:
+        stop.set()
+        collector.join()
+    store.gc()
+    assert [r.text for r in store.history(record.id, tenant="alice")] == [f"Version {v} of the plan." for v in range(1, 41)]
+    assert store.check().ok

@@ -366,7 +366,10 @@ class MemoryStore:
                 parts = _split(key)
                 if len(parts) != (4 if prefix == "p/" else 5) or not parts[3].isdigit():
                     continue  # not a key this layout writes (an earlier one's: check() moves those)
-                if not self._in_use(prefix, parts, heads.get((parts[1], parts[2])), now):
+                # the heads were read before this scan; a memory written since is judged by its head now
+                if not self._in_use(prefix, parts, heads.get((parts[1], parts[2])), now) and not self._in_use(
+                    prefix, parts, self._read_head(parts[1], parts[2])[1], now
+                ):
                     self._free(key, report)
                 elif prefix == BLOB_PREFIX and keep_model_fingerprint is not None:
                     raw = self._get_row(key)
@@ -380,7 +383,9 @@ class MemoryStore:
         if head is not None and head["deleted"]:
             return False
         if prefix == "p/":
-            return head is not None and version < head["v"]
+            # a publication pointer is never wrong (a version has one writer), and the head read at
+            # the start of gc may already be behind one a supersede just wrote: keep while the memory lives
+            return head is not None
         if prefix == BLOB_PREFIX:
             return head is not None and version == head["v"]
         writer = parts[4]
@@ -640,9 +645,10 @@ class MemoryStore:
         vector = self.embedder.embed([record.text])[0]
         if len(vector) != self.index.dimension:
             raise StoreError(f"the embedder returned {len(vector)} dimensions, not {self.index.dimension}")
-        data_keys = (_k("e", tenant, memory_id, version, writer), _k("r", tenant, memory_id, version, writer))
-        self.tier.set(data_keys[0], _pack_embedding(record.source_text_hash, vector))
-        self.tier.set(data_keys[1], record.to_json())
+        # the record first: gc tells a write in flight from an abandoned one by its record's age
+        data_keys = (_k("r", tenant, memory_id, version, writer), _k("e", tenant, memory_id, version, writer))
+        self.tier.set(data_keys[0], record.to_json())
+        self.tier.set(data_keys[1], _pack_embedding(record.source_text_hash, vector))
         if previous is not None:
             # every writer past ``previous`` writes the same value: idempotent, and set before the head moves
             self.tier.set(_k("p", tenant, memory_id, previous["v"]), previous["w"].encode())
