@@ -225,3 +225,32 @@ def test_the_keyword_scores_follow_qdrants_idf():
     dense = {f"m{n}": 1.0 if n % 4 == 0 else 0.0 for n in range(60)}
     for hit in ours:
         assert abs(hit.score - (dense[hit.memory_id] + keyword.get(hit.memory_id, 0.0))) < 1e-4
+
+
+def test_a_thread_waits_for_a_busy_index_only_so_long():
+    import threading
+    import time
+
+    import pytest
+
+    from kvshift_memory.exceptions import StoreBusyError
+
+    index = MemoryIndex(":memory:", 4, "test", lock_timeout_s=0.2)
+    log = Log()
+    holding, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with index._locked():
+            holding.set()
+            release.wait(5)
+
+    thread = threading.Thread(target=hold)
+    thread.start()
+    holding.wait(5)
+    started = time.perf_counter()
+    with pytest.raises(StoreBusyError):
+        index.search(vec(0), "alice", None, 5, log.read, lambda t, m: None)
+    assert time.perf_counter() - started < 1.0
+    release.set()
+    thread.join()
+    assert index.search(vec(0), "alice", None, 5, log.read, lambda t, m: None) == []

@@ -37,13 +37,13 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ..exceptions import StoreError
+from ..exceptions import StoreBusyError, StoreError
 from .keywords import sparse_terms
 
 if TYPE_CHECKING:
@@ -88,38 +88,57 @@ def point_id(tenant: str, memory_id: str) -> str:
     return str(uuid.uuid5(uuid.NAMESPACE_URL, f"kvshift:{len(tenant)}:{tenant}:{memory_id}"))
 
 
-def open_index(location: str | os.PathLike, dimension: int, embedder_name: str) -> MemoryIndex | QdrantIndex:
+def open_index(
+    location: str | os.PathLike, dimension: int, embedder_name: str, *, lock_timeout_s: float = 30.0
+) -> MemoryIndex | QdrantIndex:
     """The index for ``location``: ``http(s)://…`` a Qdrant server, else this process's (a folder or ``":memory:"``).
 
+    :param lock_timeout_s: how long a thread waits for another's sync or search of the index.
     :raises StoreError: the location cannot be used, or holds vectors of another embedder.
     """
     text = os.fspath(location)
     if text.startswith(("http://", "https://")):
         from .qdrant_index import QdrantIndex
 
-        return QdrantIndex(text, dimension, embedder_name)
-    return MemoryIndex(text, dimension, embedder_name)
+        return QdrantIndex(text, dimension, embedder_name, lock_timeout_s=lock_timeout_s)
+    return MemoryIndex(text, dimension, embedder_name, lock_timeout_s=lock_timeout_s)
 
 
 class _LogFollower:
     """What both kinds share: replaying the tier's log into points, with the sync state kept aside.
 
     A subclass stores points (``_upsert``, ``_delete``, ``_clear``, ``_point_ids``) and the sync
-    state (``_read_state``, ``_write_state``); every method runs under ``self._mutex``.
+    state (``_read_state``, ``_write_state``); every method runs under :meth:`_locked`.
+
+    :param lock_timeout_s: how long a thread waits while another syncs or searches this index.
     """
 
     location: str
     dimension: int
 
-    def __init__(self) -> None:
+    def __init__(self, lock_timeout_s: float) -> None:
         self._mutex = threading.RLock()
+        self.lock_timeout_s = lock_timeout_s
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        """This index to one thread at a time, waiting at most ``lock_timeout_s``.
+
+        :raises StoreBusyError: another thread held it longer (a long first replay, say).
+        """
+        if not self._mutex.acquire(timeout=self.lock_timeout_s):
+            raise StoreBusyError(f"the index at {self.location} stayed busy for {self.lock_timeout_s} s")
+        try:
+            yield
+        finally:
+            self._mutex.release()
 
     def sync(self, read_log: ReadLog, state_of: StateOf) -> int:
         """Replay the log; returns how many memories were reconciled.
 
         :raises StoreError: the tier or the server failed.
         """
-        with self._mutex:
+        with self._locked():
             self._open()
             return len(self._sync(read_log, state_of))
 
@@ -130,7 +149,7 @@ class _LogFollower:
         :param states: every memory's state as the caller just read it (``check()`` reads them
             all anyway); a point that already matches is left alone.
         """
-        with self._mutex:
+        with self._locked():
             self._open()
             for (tenant, memory_id), state in states.items():
                 self._apply(tenant, memory_id, state)
@@ -217,8 +236,8 @@ class MemoryIndex(_LogFollower):
     :raises StoreError: the folder cannot be made, or its snapshot holds another embedder's vectors.
     """
 
-    def __init__(self, location: str | os.PathLike, dimension: int, embedder_name: str) -> None:
-        super().__init__()
+    def __init__(self, location: str | os.PathLike, dimension: int, embedder_name: str, *, lock_timeout_s: float = 30.0) -> None:
+        super().__init__(lock_timeout_s)
         self.location = os.fspath(location)
         self.dimension = dimension
         self.embedder_name = embedder_name
@@ -278,7 +297,7 @@ class MemoryIndex(_LogFollower):
 
         :raises StoreError: the tier failed while the log was replayed.
         """
-        with self._mutex:
+        with self._locked():
             self._open()
             self._sync(read_log, state_of)
             tenant_code = self._codes.get(tenant)
@@ -320,7 +339,7 @@ class MemoryIndex(_LogFollower):
         return scores
 
     def count(self) -> int:
-        with self._mutex:
+        with self._locked():
             self._open()
             return len(self._rows)
 
@@ -486,7 +505,7 @@ class MemoryIndex(_LogFollower):
         self._unsaved = 0
 
     def close(self) -> None:
-        with self._mutex:
+        with self._locked():
             if self._folder is not None and self._unsaved:
                 self._save_snapshot()
 

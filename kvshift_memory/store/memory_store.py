@@ -119,7 +119,8 @@ class MemoryStore:
         ``int4``, ``fp16`` or ``fp32``; ``group_size`` is int4's.
     :param hot_bytes: bound on the fragment blobs this process keeps in RAM in front of the tier.
     :param lock_timeout_s: how long a write waits for the folder's lock while another process
-        writes; past it, :class:`StoreBusyError` (nothing written).
+        writes, and a search for the index while another thread replays it; past it,
+        :class:`StoreBusyError` (nothing written).
     :param keyword_weight: how much the keyword path adds to a hit's score (a hit's ``score`` is
         its cosine similarity plus this times its IDF-weighted keyword overlap); ``0`` searches by
         embedding alone. The default comes from ``benchmarks/locomo.py`` (see the README).
@@ -164,7 +165,7 @@ class MemoryStore:
             embedder = MiniLMEmbedder()
         self.embedder = embedder
         location = index_url if index_url is not None else (Path(path) / "index" if path is not None else ":memory:")
-        self.index = open_index(location, int(embedder.dimension), str(embedder.name))
+        self.index = open_index(location, int(embedder.dimension), str(embedder.name), lock_timeout_s=float(lock_timeout_s))
         self.corrupt_fragments = 0
 
     # ---------------------------------------------------------------- public API

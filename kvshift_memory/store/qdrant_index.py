@@ -34,8 +34,8 @@ class QdrantIndex(_LogFollower):
 
     _BATCH = 256
 
-    def __init__(self, location: str, dimension: int, embedder_name: str) -> None:
-        super().__init__()
+    def __init__(self, location: str, dimension: int, embedder_name: str, *, lock_timeout_s: float = 30.0) -> None:
+        super().__init__(lock_timeout_s)
         self.location = location
         self.dimension = dimension
         self.embedder_name = embedder_name
@@ -112,7 +112,7 @@ class QdrantIndex(_LogFollower):
         if session_id is not None:
             conditions.append(models.FieldCondition(key="session_id", match=models.MatchValue(value=session_id)))
         query_filter = models.Filter(must=conditions)
-        with self._mutex:
+        with self._locked():
             self._open()
             self._sync(read_log, state_of)
             client = self._client
@@ -146,7 +146,7 @@ class QdrantIndex(_LogFollower):
         return sorted(hits.values(), key=lambda hit: hit.score, reverse=True)[:limit]
 
     def count(self) -> int:
-        with self._mutex:
+        with self._locked():
             self._open()
             return int(self._client.count(COLLECTION).count)
 
@@ -213,7 +213,7 @@ class QdrantIndex(_LogFollower):
         self._flush()
 
     def close(self) -> None:
-        with self._mutex:
+        with self._locked():
             if self._client is not None:
                 self._client.close()
                 self._client = None
