@@ -89,7 +89,9 @@ def langchain_run(folder: Path, reuse: str | None) -> list[dict]:
     stats = _ChainStats()
     with MemoryStore(folder) as store:
         # stored with their fragments encoded, as an AgentMemory or KVShiftMemory stores them
-        KVShiftEngine.shared().warm([store.add(fact, tenant="alice", session_id="earlier") for fact in FACTS], lead_fragments=False)
+        KVShiftEngine.shared().warm(
+            [store.add(fact, tenant="alice", session_id="earlier") for fact in FACTS], lead_fragments=False, namespace="alice"
+        )
         llm = ChatKVShift(store=store, user_id="alice", max_tokens=20, reuse=reuse, callbacks=[stats])
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")

@@ -65,7 +65,7 @@ def run(reuse: str | None, folder: Path) -> ReuseStats:
     with MemoryStore(folder) as store:
         # stored with their K/V fragments encoded, as an AgentMemory or KVShiftMemory stores them
         # (placed in user messages by the chain's memory: no lead fragments needed)
-        engine.warm([store.add(text, tenant="alice", session_id="spring") for text in EARLIER], lead_fragments=False)
+        engine.warm([store.add(text, tenant="alice", session_id="spring") for text in EARLIER], lead_fragments=False, namespace="alice")
         chain = ConversationChain(
             llm=ChatKVShift(store=store, user_id="alice", max_tokens=32, reuse=reuse, callbacks=[stats]),
             memory=KVShiftMemory(store=store, user_id="alice", session_id="may"),
