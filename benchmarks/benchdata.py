@@ -17,7 +17,7 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["Instance", "build_instances", "locomo_dir", "memorybank_instances", "write_report"]
+__all__ = ["Instance", "build_instances", "locomo_dir", "locomo_turns", "memorybank_instances", "write_report"]
 
 MIN_FRAGMENT_TOKENS = 40
 MAX_FRAGMENT_TOKENS = 250
@@ -154,6 +154,18 @@ def memorybank_instances(count: int, count_tokens, kind: str = "exchanges", seed
         picked = rng.sample(memories, min(size, len(memories)))
         instances.append(Instance(name, question.strip('"'), "", tuple(picked), ()))
     return instances
+
+
+def locomo_turns(limit: int) -> list[str]:
+    """The first ``limit`` dialogue turns of LoCoMo, as ``Speaker: text`` lines."""
+    conversations = json.loads((locomo_dir() / "locomo10.json").read_text())
+    turns = []
+    for conversation in conversations:
+        session = 1
+        while f"session_{session}" in conversation["conversation"]:
+            turns.extend(f"{t['speaker']}: {t['text']}" for t in conversation["conversation"][f"session_{session}"])
+            session += 1
+    return turns[:limit]
 
 
 def write_report(path: Path, report: dict) -> None:

@@ -41,7 +41,7 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "tests"))
-from benchdata import build_instances, locomo_dir  # noqa: E402
+from benchdata import build_instances, locomo_turns  # noqa: E402
 from fidelity import kl_and_top1  # noqa: E402
 from redis_server import RedisServer  # noqa: E402
 from ttft import QUESTION, memories_of  # noqa: E402
@@ -168,18 +168,6 @@ def part_fidelity(engine, embedder, count, report) -> None:
         print(f"{codec:>6} " + " ".join(f"{summary[codec][c]['mean_kl']:>12.5f} {summary[codec][c]['top1']:>11.3f}"
                                         for c in conditions))
     report["fidelity"] = {"instances": len(instances), "against": "fp32 fragments, same reuse", "codecs": summary}
-
-
-def locomo_turns(limit: int) -> list[str]:
-    """The first ``limit`` dialogue turns of LoCoMo, as ``Speaker: text`` lines."""
-    conversations = json.loads((locomo_dir() / "locomo10.json").read_text())
-    turns = []
-    for conversation in conversations:
-        session = 1
-        while f"session_{session}" in conversation["conversation"]:
-            turns.extend(f"{t['speaker']}: {t['text']}" for t in conversation["conversation"][f"session_{session}"])
-            session += 1
-    return turns[:limit]
 
 
 def part_search(embedder, sizes, repeats, report) -> None:

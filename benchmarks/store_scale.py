@@ -23,7 +23,6 @@ Prints a table and writes ``benchmarks/results/store_scale.json``.
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import statistics
 import subprocess
@@ -32,7 +31,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchdata import locomo_dir, write_report
+from benchdata import locomo_turns, write_report
 
 from kvshift_memory import MemoryStore
 from kvshift_memory.embedding import MiniLMEmbedder
@@ -59,13 +58,7 @@ class TableEmbedder:
 
 
 def memory_texts(count: int) -> list[str]:
-    conversations = json.loads((locomo_dir() / "locomo10.json").read_text())
-    turns = []
-    for conversation in conversations:
-        session = 1
-        while f"session_{session}" in conversation["conversation"]:
-            turns.extend(f"{t['speaker']}: {t['text']}" for t in conversation["conversation"][f"session_{session}"])
-            session += 1
+    turns = locomo_turns(10**9)
     return [turns[i % len(turns)] + ("" if i < len(turns) else f" ({i // len(turns)})") for i in range(count)]
 
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import threading
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -89,6 +91,26 @@ def redis_url():
         pytest.skip(str(exc))
     yield server.url
     server.stop()
+
+
+@contextlib.contextmanager
+def held_elsewhere(lock):
+    """Hold the context manager ``lock`` in another thread while the body runs (what a busy process does)."""
+    holding, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with lock:
+            holding.set()
+            release.wait(10)
+
+    thread = threading.Thread(target=hold)
+    thread.start()
+    holding.wait(5)
+    try:
+        yield
+    finally:
+        release.set()
+        thread.join()
 
 
 BACKENDS = ("memory", "disk", "redis")

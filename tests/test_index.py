@@ -228,29 +228,18 @@ def test_the_keyword_scores_follow_qdrants_idf():
 
 
 def test_a_thread_waits_for_a_busy_index_only_so_long():
-    import threading
     import time
 
     import pytest
+    from conftest import held_elsewhere
 
     from kvshift_memory.exceptions import StoreBusyError
 
     index = MemoryIndex(":memory:", 4, "test", lock_timeout_s=0.2)
     log = Log()
-    holding, release = threading.Event(), threading.Event()
-
-    def hold() -> None:
-        with index._locked():
-            holding.set()
-            release.wait(5)
-
-    thread = threading.Thread(target=hold)
-    thread.start()
-    holding.wait(5)
-    started = time.perf_counter()
-    with pytest.raises(StoreBusyError):
-        index.search(vec(0), "alice", None, 5, log.read, lambda t, m: None)
-    assert time.perf_counter() - started < 1.0
-    release.set()
-    thread.join()
+    with held_elsewhere(index._locked()):
+        started = time.perf_counter()
+        with pytest.raises(StoreBusyError):
+            index.search(vec(0), "alice", None, 5, log.read, lambda t, m: None)
+        assert time.perf_counter() - started < 1.0
     assert index.search(vec(0), "alice", None, 5, log.read, lambda t, m: None) == []

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import sqlite3
 import threading
 
@@ -129,26 +130,24 @@ def test_a_damaged_database_is_a_store_error(tmp_path):
 def test_a_writer_waits_for_a_locked_folder_only_so_long(tmp_path):
     import time
 
+    from conftest import held_elsewhere
+
     from kvshift_memory.exceptions import KVShiftError, StoreBusyError
 
     holder, waiter = DiskTier(tmp_path / "kv"), DiskTier(tmp_path / "kv", lock_timeout_s=0.5)
-    holding, done = threading.Event(), threading.Event()
+    holder.set("held", b"0")
 
-    def hold() -> None:
+    @contextlib.contextmanager
+    def write_transaction():
         with holder._cache.transact():
-            holder._cache.set("held", b"1")
-            holding.set()
-            done.wait(10)
+            holder._cache.set("held", b"1")  # a write: the folder's lock is taken
+            yield
 
-    thread = threading.Thread(target=hold)
-    thread.start()
-    holding.wait(5)
-    started = time.perf_counter()
-    with pytest.raises(StoreBusyError) as raised:
-        waiter.set("k", b"v")
-    assert time.perf_counter() - started < 3 and isinstance(raised.value, KVShiftError)
-    done.set()
-    thread.join()
+    with held_elsewhere(write_transaction()):
+        started = time.perf_counter()
+        with pytest.raises(StoreBusyError) as raised:
+            waiter.set("k", b"v")
+        assert time.perf_counter() - started < 3 and isinstance(raised.value, KVShiftError)
     waiter.set("k", b"v")  # free again: the refused write changed nothing and can be retried
     assert waiter.get("k") == b"v"
     holder.close()

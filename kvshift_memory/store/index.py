@@ -161,6 +161,33 @@ class _LogFollower:
             self._rebuilt()
             return len(stray)
 
+    def search(
+        self,
+        vector: Sequence[float],
+        tenant: str,
+        session_id: str | None,
+        limit: int,
+        read_log: ReadLog,
+        state_of: StateOf,
+        *,
+        terms: Sequence[str] = (),
+        keyword_weight: float = 0.0,
+    ) -> list[IndexHit]:
+        """Bring the index up to date with the log, then the ``limit`` best memories of ``tenant``.
+
+        Both paths take their ``limit`` best candidates; a candidate found by one path only gets
+        the other path's score too (its cosine; a keyword score absent from the keyword path's
+        list is zero). Only ``tenant``'s points (and ``session_id``'s, when given) are ever
+        candidates.
+
+        :raises StoreError: the tier (or the server) failed; :class:`StoreBusyError`: another
+            thread held the index past ``lock_timeout_s``.
+        """
+        with self._locked():
+            self._open()
+            self._sync(read_log, state_of)
+            return self._search(vector, tenant, session_id, limit, terms, keyword_weight)
+
     def _sync(self, read_log: ReadLog, state_of: StateOf) -> set[tuple[str, str]]:
         """Reconcile the memories the log names since the last sync, and the pending ones;
         returns them all. A log that no longer holds the last entry applied, where it was, is
@@ -208,6 +235,10 @@ class _LogFollower:
 
     # what a kind provides
     def _open(self) -> None: ...
+
+    def _search(
+        self, vector: Sequence[float], tenant: str, session_id: str | None, limit: int, terms: Sequence[str], keyword_weight: float
+    ) -> list[IndexHit]: ...
 
     def _upsert(self, pid: str, vector: Sequence[float], keywords: tuple[list[int], list[float]], payload: dict) -> None: ...
 
@@ -276,52 +307,31 @@ class MemoryIndex(_LogFollower):
 
     # ---------------------------------------------------------------- search
 
-    def search(
-        self,
-        vector: Sequence[float],
-        tenant: str,
-        session_id: str | None,
-        limit: int,
-        read_log: ReadLog,
-        state_of: StateOf,
-        *,
-        terms: Sequence[str] = (),
-        keyword_weight: float = 0.0,
+    def _search(
+        self, vector: Sequence[float], tenant: str, session_id: str | None, limit: int, terms: Sequence[str], keyword_weight: float
     ) -> list[IndexHit]:
-        """Bring the index up to date with the log, then the ``limit`` best memories of ``tenant``.
-
-        Both paths take their ``limit`` best candidates; a candidate found by one path only gets
-        the other path's score too (its cosine; a keyword score absent from the keyword path's
-        list is zero). Only ``tenant``'s points (and ``session_id``'s, when given) are ever
-        candidates.
-
-        :raises StoreError: the tier failed while the log was replayed.
-        """
-        with self._locked():
-            self._open()
-            self._sync(read_log, state_of)
-            tenant_code = self._codes.get(tenant)
-            if tenant_code is None or not self._rows:
-                return []
-            mask = self._tenant_of == tenant_code
-            if session_id is not None:
-                mask &= self._session_of == self._codes.get(session_id, -2)
-            query = np.asarray(vector, dtype=np.float32)
-            norm = float(np.linalg.norm(query))
-            cosine = self._vectors @ (query / norm if norm else query)
-            candidates = np.flatnonzero(mask)
-            dense = candidates[np.argsort(-cosine[candidates], kind="stable")[:limit]]
-            keyword: dict[int, float] = {}
-            indices, values = sparse_terms(terms)
-            if indices and keyword_weight > 0:
-                keyword = self._keyword_scores(tenant_code, indices, values, mask)
-                keyword = dict(sorted(keyword.items(), key=lambda item: -item[1])[:limit])
-            hits = {}
-            for row in [*dense.tolist(), *keyword]:
-                if row not in hits:
-                    payload = self._payloads[row]
-                    score = float(cosine[row]) + keyword_weight * keyword.get(row, 0.0)
-                    hits[row] = IndexHit(tenant, payload["memory_id"], payload["version"], score)
+        tenant_code = self._codes.get(tenant)
+        if tenant_code is None or not self._rows:
+            return []
+        mask = self._tenant_of == tenant_code
+        if session_id is not None:
+            mask &= self._session_of == self._codes.get(session_id, -2)
+        query = np.asarray(vector, dtype=np.float32)
+        norm = float(np.linalg.norm(query))
+        cosine = self._vectors @ (query / norm if norm else query)
+        candidates = np.flatnonzero(mask)
+        dense = candidates[np.argsort(-cosine[candidates], kind="stable")[:limit]]
+        keyword: dict[int, float] = {}
+        indices, values = sparse_terms(terms)
+        if indices and keyword_weight > 0:
+            keyword = self._keyword_scores(tenant_code, indices, values, mask)
+            keyword = dict(sorted(keyword.items(), key=lambda item: -item[1])[:limit])
+        hits = {}
+        for row in [*dense.tolist(), *keyword]:
+            if row not in hits:
+                payload = self._payloads[row]
+                score = float(cosine[row]) + keyword_weight * keyword.get(row, 0.0)
+                hits[row] = IndexHit(tenant, payload["memory_id"], payload["version"], score)
         return sorted(hits.values(), key=lambda hit: hit.score, reverse=True)[:limit]
 
     def _keyword_scores(self, tenant_code: int, indices: list[int], values: list[float], mask: np.ndarray) -> dict[int, float]:

@@ -12,7 +12,7 @@ import uuid
 from collections.abc import Sequence
 
 from ..exceptions import StoreError
-from .index import IndexHit, ReadLog, StateOf, _fresh_state, _LogFollower, _parse_state
+from .index import IndexHit, _fresh_state, _LogFollower, _parse_state
 from .keywords import sparse_terms
 
 __all__ = ["QdrantIndex"]
@@ -90,50 +90,34 @@ class QdrantIndex(_LogFollower):
         if not client.collection_exists(_STATE_COLLECTION):
             client.create_collection(_STATE_COLLECTION, vectors_config=models.VectorParams(size=1, distance=models.Distance.DOT))
 
-    def search(
-        self,
-        vector: Sequence[float],
-        tenant: str,
-        session_id: str | None,
-        limit: int,
-        read_log: ReadLog,
-        state_of: StateOf,
-        *,
-        terms: Sequence[str] = (),
-        keyword_weight: float = 0.0,
+    def _search(
+        self, vector: Sequence[float], tenant: str, session_id: str | None, limit: int, terms: Sequence[str], keyword_weight: float
     ) -> list[IndexHit]:
-        """As :meth:`~.index.MemoryIndex.search`, on the server (the tenant filter is part of both queries).
-
-        :raises StoreError: the tier or the server failed.
-        """
         from qdrant_client import models
 
         conditions = [models.FieldCondition(key="tenant", match=models.MatchValue(value=tenant))]
         if session_id is not None:
             conditions.append(models.FieldCondition(key="session_id", match=models.MatchValue(value=session_id)))
-        query_filter = models.Filter(must=conditions)
-        with self._locked():
-            self._open()
-            self._sync(read_log, state_of)
-            client = self._client
-            dense = client.query_points(COLLECTION, query=list(vector), query_filter=query_filter, limit=limit, with_payload=True).points
-            sparse = []
-            indices, values = sparse_terms(terms)
-            if indices and keyword_weight > 0:
-                sparse = client.query_points(
-                    COLLECTION,
-                    query=models.SparseVector(indices=indices, values=values),
-                    using=_KEYWORDS,
-                    query_filter=query_filter,
-                    limit=limit,
-                    with_payload=True,
-                ).points
-            cosine = {str(p.id): float(p.score) for p in dense}
-            missing = [str(p.id) for p in sparse if str(p.id) not in cosine]
-            if missing:
-                for point in client.retrieve(COLLECTION, ids=missing, with_vectors=[""]):
-                    stored = point.vector[""] if isinstance(point.vector, dict) else point.vector
-                    cosine[str(point.id)] = _cosine(vector, stored)
+        query_filter = models.Filter(must=conditions)  # the tenant filter is part of both queries
+        client = self._client
+        dense = client.query_points(COLLECTION, query=list(vector), query_filter=query_filter, limit=limit, with_payload=True).points
+        sparse = []
+        indices, values = sparse_terms(terms)
+        if indices and keyword_weight > 0:
+            sparse = client.query_points(
+                COLLECTION,
+                query=models.SparseVector(indices=indices, values=values),
+                using=_KEYWORDS,
+                query_filter=query_filter,
+                limit=limit,
+                with_payload=True,
+            ).points
+        cosine = {str(p.id): float(p.score) for p in dense}
+        missing = [str(p.id) for p in sparse if str(p.id) not in cosine]
+        if missing:
+            for point in client.retrieve(COLLECTION, ids=missing, with_vectors=[""]):
+                stored = point.vector[""] if isinstance(point.vector, dict) else point.vector
+                cosine[str(point.id)] = _cosine(vector, stored)
         keyword = {str(p.id): float(p.score) for p in sparse}
         hits = {}
         for point in [*dense, *sparse]:
