@@ -265,7 +265,7 @@ def test_token_memo_keeps_special_token_text_apart_and_stays_bounded(tokenizer):
     assert memo.encode(long_text) == tuple(tokenizer(long_text, add_special_tokens=False)["input_ids"])
     for n in range(40):
         memo.encode(f"memory number {n} about Lisbon")
-    assert memo._held <= 64 and ("memory number 39 about Lisbon", True) in memo._ids
+    assert memo._held <= 64 and ("", "memory number 39 about Lisbon", True) in memo._ids
 
 
 def test_repeated_prompts_are_tokenised_the_same(tiny_engine):
@@ -688,3 +688,22 @@ def test_reply_ids_holding_special_tokens_are_read_as_text(tiny_engine, tokenize
         clean = tiny_engine._plan(base + [{"role": "assistant", "content": "x"}, {"role": "user", "content": "ok"}], None, "none", None, 1)[0]
         assert (layout.token_ids == special).sum() == (clean.token_ids == special).sum()
         assert tiny_engine.generate(messages, max_new_tokens=1).stats.prompt_tokens == layout.length
+
+
+def test_a_text_one_namespace_tokenised_is_tokenised_again_for_another(tokenizer):
+    """The token memo must not make a guessed text faster for a tenant who never sent it."""
+    calls = []
+
+    class Counting:
+        def __init__(self, inner):
+            self.inner = inner
+
+        def __call__(self, text, **kwargs):
+            calls.append(text)
+            return self.inner(text, **kwargs)
+
+    memo = TokenMemo(Counting(tokenizer))
+    secret = "My door code is 4719."
+    ids = memo.scoped("alice").encode(secret)
+    assert memo.scoped("alice").encode(secret) == ids and calls == [secret]  # alice's own: remembered
+    assert memo.scoped("bob").encode(secret) == ids and calls == [secret, secret]  # bob's: tokenised again

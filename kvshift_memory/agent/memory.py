@@ -531,7 +531,9 @@ class AgentMemory:
         )
 
     def _tokens(self, text: str, recalled: Sequence[Any] = ()) -> int:
-        count = self.engine.count_tokens
+        def count(piece: str) -> int:
+            return self.engine.count_tokens(piece, namespace=self.user_id)
+
         return count(text) + sum(count(r.text) + 1 for r in recalled) + (2 + _MESSAGE_OVERHEAD if recalled else 0)
 
     def _plan(self, message: str, max_new_tokens: int) -> _Plan:
@@ -575,7 +577,7 @@ class AgentMemory:
             decision=decision,
             archived=archived,
         )
-        turn.tokens += self.engine.count_tokens(turn.reply) + _MESSAGE_OVERHEAD
+        turn.tokens += self.engine.count_tokens(turn.reply, namespace=self.user_id) + _MESSAGE_OVERHEAD
         self._window = plan.kept_turns + ([turn] if decision != "drop" else [])
         self._previous = last_sentence(turn.reply)
         return Reply(

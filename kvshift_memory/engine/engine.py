@@ -29,7 +29,7 @@ from .families import PositionScheme, position_scheme
 from .loading import load_model, model_fingerprint, resolve_dtype
 from .packing import pack_linear_layers
 from .pool import BytePool
-from .prompt import FragmentSpan, PromptLayout, TokenMemo, build_layout, common_prefix, digest_ids
+from .prompt import FragmentSpan, PromptLayout, ScopedTokens, TokenMemo, build_layout, common_prefix, digest_ids
 from .speakers import cast_speakers
 from .results import GenerationResult, ReuseStats, ScoreResult
 
@@ -369,7 +369,8 @@ class KVShiftEngine:
         started = time.perf_counter()
         continuation = inputs.check_continuation(continuation)
         if isinstance(continuation, str):
-            cont_ids = list(self._tokens.encode(continuation))
+            scope = "" if namespace is None else inputs.check_identifier(namespace, "namespace")
+            cont_ids = list(self._tokens.encode(continuation, namespace=scope))
         else:
             cont_ids = continuation
             if max(cont_ids) >= self.vocab_size:
@@ -428,10 +429,11 @@ class KVShiftEngine:
             self._fragments.clear()
             self._stored.clear()
 
-    def count_tokens(self, text: str) -> int:
-        """Tokens ``text`` takes as message content."""
+    def count_tokens(self, text: str, *, namespace: str | None = None) -> int:
+        """Tokens ``text`` takes as message content (``namespace``: as in :meth:`generate`)."""
         text = inputs.check_text(text, "text", allow_empty=True)
-        return len(self._tokens.encode(text))
+        scope = "" if namespace is None else inputs.check_identifier(namespace, "namespace")
+        return len(self._tokens.encode(text, namespace=scope))
 
     # ------------------------------------------------------------------ planning
 
@@ -448,12 +450,13 @@ class KVShiftEngine:
             if "memories" in message:
                 given.extend(message["memories"])
                 message["memories"] = inputs.check_memories(message["memories"])
-        layout = build_layout(self._tokens, messages, texts, self.settings.system_prompt, self.settings.memory_header)
+        tokens = self._tokens.scoped(namespace)
+        layout = build_layout(tokens, messages, texts, self.settings.system_prompt, self.settings.memory_header)
         if fragments_after is not None:
             fixed = [{"role": "system", "content": inputs.check_text(fragments_after, "fragments_after")}]
             question = [{"role": "user", "content": "?"}]  # only the system message matters here
             settings = self.settings
-            conditioning = build_layout(self._tokens, fixed + question, [], settings.system_prompt, settings.memory_header).conditioning
+            conditioning = build_layout(tokens, fixed + question, [], settings.system_prompt, settings.memory_header).conditioning
             layout = replace(layout, conditioning=conditioning)
         if encode_context is None:
             encode_context = self.settings.encode_context
@@ -464,7 +467,8 @@ class KVShiftEngine:
             layout,
             namespace=namespace,
             fragments=tuple(
-                replace(s, record=r, context=self._context_ids(encode_context, s.text)) for s, r in zip(layout.fragments, records)
+                replace(s, record=r, context=self._context_ids(tokens, encode_context, s.text))
+                for s, r in zip(layout.fragments, records)
             ),
         )
         for index, span in enumerate(layout.fragments):
@@ -490,11 +494,11 @@ class KVShiftEngine:
                 mode, fallback = "prefix", f"{no_room}: exact prefix reuse"
         return layout, mode, ratio, requested or "auto", fallback
 
-    def _context_ids(self, encode_context: str, memory: str) -> tuple[int, ...]:
+    def _context_ids(self, tokens: ScopedTokens, encode_context: str, memory: str) -> tuple[int, ...]:
         """The ids of the encode context ``memory``'s fragment is encoded after."""
         if self.settings.match_speakers:
             encode_context = cast_speakers(encode_context, memory)
-        return self._tokens.encode(encode_context)
+        return tokens.encode(encode_context)
 
     def _no_room_to_encode(self, layout: PromptLayout) -> str | None:
         """Why one of the layout's memories cannot be encoded after its conditioning and encode

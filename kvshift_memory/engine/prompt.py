@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["FragmentSpan", "PromptLayout", "TokenMemo", "build_layout", "common_prefix", "digest_ids"]
+__all__ = ["FragmentSpan", "PromptLayout", "ScopedTokens", "TokenMemo", "build_layout", "common_prefix", "digest_ids"]
 
 ROLES = ("system", "user", "assistant")
 
@@ -117,6 +117,9 @@ class TokenMemo:
     The same memories, system prompt and window turns come back in every prompt of a session;
     tokenising a 2k-token memory set again costs milliseconds of the user's wait for the first token.
 
+    Texts are kept per namespace (the tenant): a text one tenant sent never makes another
+    tenant's call faster, so timing cannot tell one what another typed.
+
     :param tokenizer: a transformers tokenizer.
     :param capacity_ids: the most token ids kept over all texts (least recently used go first).
     """
@@ -124,14 +127,18 @@ class TokenMemo:
     def __init__(self, tokenizer: Any, capacity_ids: int = 1 << 18) -> None:
         self.tokenizer = tokenizer
         self.capacity_ids = capacity_ids
-        self._ids: OrderedDict[tuple[str, bool], tuple[int, ...]] = OrderedDict()
+        self._ids: OrderedDict[tuple[str, str, bool], tuple[int, ...]] = OrderedDict()
         self._held = 0
         self._lock = threading.Lock()
 
-    def encode(self, text: str, *, split_special: bool = True) -> tuple[int, ...]:
+    def scoped(self, namespace: str) -> ScopedTokens:
+        """This memo as one namespace sees it (what :func:`build_layout` is given)."""
+        return ScopedTokens(self, namespace)
+
+    def encode(self, text: str, *, split_special: bool = True, namespace: str = "") -> tuple[int, ...]:
         """The ids of ``text`` without added special tokens; with ``split_special``, a special
         token's text inside it (``<|im_start|>``) is split into ordinary tokens."""
-        key = (text, split_special)
+        key = (namespace, text, split_special)
         with self._lock:
             ids = self._ids.get(key)
             if ids is not None:
@@ -146,6 +153,21 @@ class TokenMemo:
                     _, dropped = self._ids.popitem(last=False)
                     self._held -= len(dropped)
         return ids
+
+
+@dataclass(frozen=True)
+class ScopedTokens:
+    """A :class:`TokenMemo` seen from one namespace: its texts are remembered for that namespace only."""
+
+    memo: TokenMemo
+    namespace: str
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.memo.tokenizer
+
+    def encode(self, text: str, *, split_special: bool = True) -> tuple[int, ...]:
+        return self.memo.encode(text, split_special=split_special, namespace=self.namespace)
 
 
 def _render(tokenizer, messages: list[dict[str, str]]) -> str:
@@ -165,7 +187,7 @@ def _usable_reply_ids(tokenizer: Any, ids: Sequence[int], content: str) -> bool:
 
 
 def build_layout(
-    tokens: TokenMemo,
+    tokens: TokenMemo | ScopedTokens,
     messages: list[dict[str, Any]],
     memories: Sequence[str],
     system_prompt: str,
