@@ -15,6 +15,7 @@ __all__ = [
     "check_identifier",
     "check_memories",
     "check_messages",
+    "check_namespace",
     "check_positive_int",
     "check_ratio",
     "check_reuse",
@@ -68,6 +69,11 @@ def check_identifier(value: Any, name: str) -> str:
     if len(value) > 256:
         raise InvalidInputError(f"{name} must hold 1 to 256 characters, got {len(value)}")
     return value
+
+
+def check_namespace(value: Any) -> str:
+    """A caller's reuse namespace (an id, as :func:`check_identifier`); ``None`` is the shared default ``""``."""
+    return "" if value is None else check_identifier(value, "namespace")
 
 
 def check_messages(messages: Any) -> list[dict[str, Any]]:

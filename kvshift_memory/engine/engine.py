@@ -369,8 +369,7 @@ class KVShiftEngine:
         started = time.perf_counter()
         continuation = inputs.check_continuation(continuation)
         if isinstance(continuation, str):
-            scope = "" if namespace is None else inputs.check_identifier(namespace, "namespace")
-            cont_ids = list(self._tokens.encode(continuation, namespace=scope))
+            cont_ids = list(self._tokens.encode(continuation, namespace=inputs.check_namespace(namespace)))
         else:
             cont_ids = continuation
             if max(cont_ids) >= self.vocab_size:
@@ -432,15 +431,14 @@ class KVShiftEngine:
     def count_tokens(self, text: str, *, namespace: str | None = None) -> int:
         """Tokens ``text`` takes as message content (``namespace``: as in :meth:`generate`)."""
         text = inputs.check_text(text, "text", allow_empty=True)
-        scope = "" if namespace is None else inputs.check_identifier(namespace, "namespace")
-        return len(self._tokens.encode(text, namespace=scope))
+        return len(self._tokens.encode(text, namespace=inputs.check_namespace(namespace)))
 
     # ------------------------------------------------------------------ planning
 
     def _plan(
         self, messages, memories, reuse, recompute_ratio, extra_tokens, fragments_after=None, encode_context=None, namespace=None
     ):
-        namespace = "" if namespace is None else inputs.check_identifier(namespace, "namespace")
+        namespace = inputs.check_namespace(namespace)
         messages = inputs.check_messages(messages)
         texts = inputs.check_memories(memories)
         requested = inputs.check_reuse(reuse)
