@@ -10,7 +10,10 @@ fresh session under four conditions, same model, same run:
   question (the transcript is prefilled once per conversation and reused exactly: its TTFT is the
   best full context can do; the first, cold question's TTFT is in the JSON);
 - ``rag``: AgentMemory recall (the same search), memories as text, ``reuse="none"``;
-- ``kvshift``: the same recall with the stored fragments, ``reuse="blend"``.
+- ``kvshift``: the same recall with the stored fragments, ``reuse="blend"`` (the agent's default
+  ``recompute_ratio`` unless ``--recompute-ratio``).
+
+Answer retention: of the questions ``rag`` answers right, the share ``kvshift`` also answers right.
 
 Before the questions the engine's fragment pool and the store's RAM tier are emptied, so
 fragments come from the store's disk tier, as in a new process; before each recall condition the
@@ -246,6 +249,9 @@ def main() -> None:
             summary[condition]["engine_ttft_median_s"] = statistics.median(row[condition]["engine_ttft_s"] for row in rows)
             summary[condition]["fragments_hit_mean"] = statistics.mean(row[condition]["fragments_hit"] for row in rows)
     summary["same_recall"] = statistics.mean(row["rag"]["recalled"] == row["kvshift"]["recalled"] for row in rows)
+    # of the answers full recompute of the same recall gets right, the share KV reuse keeps
+    right = [row for row in rows if row["rag"]["contains"]]
+    summary["retention_vs_rag"] = statistics.mean(row["kvshift"]["contains"] for row in right) if right else None
     summary["kvshift_ttft_speedup_vs_rag"] = summary["rag"]["ttft_median_s"] / summary["kvshift"]["ttft_median_s"]
     summary["learned_costs"] = {  # what the engine's cost model learned here (engine/costs.py)
         "pass_seconds_per_token": engine.costs.pass_token_s(),
@@ -259,6 +265,11 @@ def main() -> None:
         recall = f"{s['session_recall_at_k']:14.3f} {s['turn_recall_at_k']:6.3f} {s['fragments_hit_mean']:9.2f}" if "session_recall_at_k" in s else ""
         print(f"{condition:>10} {s['accuracy']:9.3f} {s['f1']:6.3f} {s['ttft_median_s'] * 1000:7.0f}ms {recall}")
     print(f"kvshift TTFT {summary['kvshift_ttft_speedup_vs_rag']:.2f}x lower than text RAG at the median; same recall in {summary['same_recall']:.0%}")
+    if summary["retention_vs_rag"] is not None:
+        print(
+            f"answer retention of kvshift (recompute_ratio {asking.recompute_ratio}) against the same recall with "
+            f"reuse='none': {summary['retention_vs_rag']:.3f} of {len(right)} right answers kept"
+        )
     costs = summary["learned_costs"]
     if costs["pass_seconds_per_token"] is not None and costs["fetch_seconds_40_tokens"] is not None:
         print(

@@ -1,8 +1,9 @@
 """``kvshift demo``: two sessions with one user's agent memory, on the bundled model.
 
-Session 1 tells the agent a few facts, then corrects one; each turn reuses the previous turn's
-cache and prefills only what is new. Session 2 (a new conversation, as a new process would hold
-it) asks about them: the facts come back from the store with their KV, the corrected one at its
+Session 1 tells the agent a few facts (stated, not asked), some small talk, then corrects one
+fact; each turn reuses the previous turn's cache and prefills only what is new, and write-back
+archives every stated fact while the small talk stays in the window. Session 2 (a new
+conversation, as a new process would hold it) asks about them: the facts come back from the store with their KV, the corrected one at its
 new version only. Each question is answered twice, with the same recall: ``reuse="none"`` (the
 memories re-read as text) and ``reuse="blend"`` (their stored KV shifted into place); the table
 compares time to first token.
@@ -20,6 +21,7 @@ SESSION_1 = [
     "Hi! I am planning a team trip to Lisbon in May.",
     "The budget for the Lisbon trip is 50k euros for eight people.",
     "My dog Biscuit, a beagle, needs a sitter while we are in Lisbon.",
+    "ok, thanks!",
     "Marta books the hotel near Praça do Comércio and wants every receipt within a week.",
     "The budget for the Lisbon trip is not 50k, it is 70k euros.",
 ]
@@ -57,7 +59,9 @@ def run_demo(store_path: str | None = None, max_new_tokens: int = 32) -> int:
                 s = reply.stats
                 new = s.prompt_tokens - s.reused_tokens
                 note = reply.decision + (" (corrects a memory)" if reply.corrected is not None else "")
-                print(f"{reply.message[:66]:<66} {s.prompt_tokens:>6} {s.reused_tokens:>6} {new:>4} {reply.ttft_s * 1000:>5.0f}ms  {note}")
+                print(
+                    f"{reply.message[:66]:<66} {s.prompt_tokens:>6} {s.reused_tokens:>6} {new:>4} {reply.ttft_s * 1000:>5.0f}ms  {note}"
+                )
             corrected = next((r for r in rows if r.corrected is not None), None)
             if corrected is not None:
                 print("\nhistory of the corrected memory:")
@@ -70,18 +74,32 @@ def run_demo(store_path: str | None = None, max_new_tokens: int = 32) -> int:
             for index, question in enumerate(tqdm(SESSION_2, desc="session 2 questions", leave=False)):
                 answers = {}
                 for reuse in ("blend", "none"):  # blend first: "none" would leave its exact prompt cached
-                    agent = AgentMemory(engine, store, user_id="alice", session_id=f"later-{reuse}-{index}", settings=asking, reuse=reuse)
+                    agent = AgentMemory(
+                        engine,
+                        store,
+                        user_id="alice",
+                        session_id=f"later-{reuse}-{index}",
+                        settings=asking,
+                        reuse=reuse,
+                    )
                     answers[reuse] = agent.chat(question)
                 table.append((question, answers))
-            print(f"{'question':<42} {'best recalled memory (+ others)':<48} {'none':>7} {'kvshift':>8} {'speed-up':>8}")
+            print(
+                f"{'question':<38} {'best recalled memory (+ others)':<48} {'from':>8} {'none':>7} {'kvshift':>8} {'speed-up':>8}"
+            )
             for question, answers in table:
                 recalled = answers["blend"].recalled  # most relevant last
-                recalled = f"{recalled[-1].text[:40]} (+{len(recalled) - 1})" if recalled else "-"
+                best = f"{recalled[-1].text[:40]} (+{len(recalled) - 1})" if recalled else "-"
+                source = recalled[-1].session_id if recalled else "-"
                 none, blend = answers["none"].ttft_s, answers["blend"].ttft_s
-                print(f"{question[:42]:<42} {recalled[:48]:<48} {none * 1000:>5.0f}ms {blend * 1000:>6.0f}ms {none / blend:>7.1f}x")
+                print(
+                    f"{question[:38]:<38} {best[:48]:<48} {source[:8]:>8} {none * 1000:>5.0f}ms {blend * 1000:>6.0f}ms {none / blend:>7.1f}x"
+                )
             print("\nanswers (kvshift | none):")
             for question, answers in table:
-                print(f"  {question}\n    kvshift: {answers['blend'].text.strip()[:100]}\n    none:    {answers['none'].text.strip()[:100]}")
+                print(
+                    f"  {question}\n    kvshift: {answers['blend'].text.strip()[:100]}\n    none:    {answers['none'].text.strip()[:100]}"
+                )
             print(
                 "\nTTFT counts from the call, recall from the store included. These memories are a sentence each,\n"
                 "so there is little to reuse: the gain grows with what is recalled (3-5x on LoCoMo, README).\n"

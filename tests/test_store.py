@@ -61,10 +61,12 @@ def test_delete_and_gc_erase_everything_of_a_memory(make_store):
     assert store.delete(gone.id, tenant="alice") is False
     assert store.get(gone.id, tenant="alice") is None
     assert [r.text for r in store.search("forget", tenant="alice", k=4)] == ["Keep me."]
-    with pytest.raises(MemoryNotFoundError):
-        store.history(gone.id, tenant="alice")
+    # tombstoned in its history until gc erases it
+    assert [(r.version, r.status) for r in store.history(gone.id, tenant="alice")] == [(1, "superseded"), (2, "deleted")]
     report = store.gc()
     assert report.erased_memories == 1
+    with pytest.raises(MemoryNotFoundError):
+        store.history(gone.id, tenant="alice")
     leftovers = [key for key in store.tier.scan("") if gone.id in key and not key.startswith("h/")]
     assert leftovers == []  # text, vectors and counters erased; only the tombstone head stays
     assert store.get(keep.id, tenant="alice").text == "Keep me."

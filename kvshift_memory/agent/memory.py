@@ -12,8 +12,11 @@ One turn (:meth:`AgentMemory.chat`):
 4. *window shift*: when the window passes its budget, its oldest turns leave it; the engine
    finds the rest of the window in its cache behind the cut and re-encodes its positions (RoPE
    shift) instead of recomputing it, the system prompt staying as attention sink;
-5. *write-back*: the turn's importance decides whether the user's message is archived as a memory
-   now (with its fragment encoded and stored), kept in the window only, or dropped from it.
+5. *write-back*: every user message that carries information is archived as a memory (its
+   fragment encoded now when it is important, else on first recall); a content-free one
+   ("ok thanks") stays in the window only; one the rule is unsure of waits in the window and is
+   archived when it leaves it (or when the session is closed). "Remember …" always archives,
+   "forget …" deletes the closest memory (:meth:`AgentMemory.forget`).
 
 Calls on one ``AgentMemory`` are serialised: a second ``chat`` waits for the first to finish.
 """
@@ -30,8 +33,8 @@ from typing import Any
 from .. import inputs
 from ..exceptions import InvalidInputError, MemoryNotFoundError, SessionBusyError
 from .corrections import is_correction_cue
-from .recall import archive, last_sentence, recall
-from .writeback import Decision, WriteBackModel
+from .recall import archive, archived_text, forget_closest, last_sentence, recall
+from .writeback import Decision, WriteBackModel, explicit_request, forget_subject
 
 __all__ = ["AgentMemory", "AgentSettings", "Reply", "ReplyStream"]
 
@@ -96,7 +99,11 @@ class AgentSettings:
             raise InvalidInputError(f"reuse must be one of {inputs.REUSE_MODES}, got {self.reuse!r}")
         if self.recompute_ratio is not None:
             inputs.check_ratio(self.recompute_ratio)
-        if isinstance(self.busy_timeout_s, bool) or not isinstance(self.busy_timeout_s, (int, float)) or self.busy_timeout_s < 0:
+        if (
+            isinstance(self.busy_timeout_s, bool)
+            or not isinstance(self.busy_timeout_s, (int, float))
+            or self.busy_timeout_s < 0
+        ):
             raise InvalidInputError(f"busy_timeout_s must be a number >= 0, got {self.busy_timeout_s!r}")
 
 
@@ -110,8 +117,9 @@ class _Turn:
     reply: str = ""
     reply_ids: list[int] | None = None
     importance: float = 0.0
-    decision: Decision = "keep"
+    decision: Decision = "window"
     archived: Any = None  # the memory record the user's message became, when archived
+    previous: str = ""  # what the message answered: archived with it when it is archived later
 
     def messages(self) -> list[dict[str, Any]]:
         user: dict[str, Any] = {"role": "user", "content": self.user}
@@ -132,10 +140,12 @@ class Reply:
     :param stats: the engine's :class:`~kvshift_memory.ReuseStats` for the turn (TTFT, reused,
         recomputed and prefilled tokens, fragments hit and missed).
     :param recalled: the memories recalled into this turn, most relevant last.
-    :param decision: the write-back decision (``"archive"``, ``"keep"`` or ``"drop"``).
+    :param decision: the write-back decision, a :data:`~kvshift_memory.agent.writeback.Decision`:
+        ``"archive"``, ``"defer"``, ``"window"``, ``"forget"`` or ``"forget_ambiguous"``.
     :param importance: the write-back classifier's importance of the turn.
     :param archived: the memory the message was archived as (or the correction's new version).
     :param corrected: the memory version this message superseded, when it was a correction.
+    :param forgotten: the memory this message asked to forget and that was deleted.
     :param evicted_turns: turns that left the window before this one.
     :param retrieval_s: seconds from the call until the engine started: corrections, the store
         search and assembling the prompt (the engine's ``stats.ttft_s`` counts from there;
@@ -147,10 +157,11 @@ class Reply:
     text: str
     stats: Any
     recalled: list[Any] = field(default_factory=list)
-    decision: Decision = "keep"
+    decision: Decision = "window"
     importance: float = 0.0
     archived: Any = None
     corrected: Any = None
+    forgotten: Any = None
     evicted_turns: int = 0
     retrieval_s: float = 0.0
     finish_reason: str = "stop"
@@ -169,6 +180,7 @@ class _Plan:
     recalled: list[Any]
     corrected: Any
     correction: Any
+    forget: tuple[Decision, Any] | None  # a request to forget: what it did, and the memory deleted
     kept_turns: list[_Turn]
     evicted: list[_Turn]
     messages: list[dict[str, Any]]
@@ -241,8 +253,11 @@ class AgentMemory:
     :param user_id: the tenant: memories never cross it.
     :param session_id: this conversation; recall also reaches the user's other sessions.
     :param settings: :class:`AgentSettings`; keyword arguments override its fields.
-    :param writeback: the write-back rule (default: the bundled one fitted on LoCoMo).
+    :param writeback: the write-back rule (default: the bundled one, ``WriteBackModel.bundled()``).
     :raises InvalidInputError: bad ids or settings.
+
+    Use it as a context manager (or call :meth:`close`) so that turns still waiting in the window
+    to be archived are archived when the session ends.
     """
 
     def __init__(
@@ -279,7 +294,9 @@ class AgentMemory:
         :raises InvalidInputError: empty, over-long or non-text input.
         :raises StoreError: the store refused the write.
         """
-        record = self.store.add(text, tenant=self.user_id, session_id=self.session_id, importance_score=importance_score)
+        record = self.store.add(
+            text, tenant=self.user_id, session_id=self.session_id, importance_score=importance_score
+        )
         self._warm([record])
         return record
 
@@ -309,6 +326,68 @@ class AgentMemory:
         self._warm([new])
         return target, new
 
+    def forget(self, text_or_id: str) -> Any:
+        """Delete a memory of this user: the one with this id, or the one closest to this text.
+
+        The memory is tombstoned (:meth:`history` shows it deleted), never recalled again, also
+        after a restart, and the window turns that showed it leave the window.
+
+        :param text_or_id: a memory id, or what the memory was about ("the door code"; a request
+            such as "forget what I said about the door code" works too).
+        :returns: the deleted memory's record.
+        :raises InvalidInputError: empty, non-text or over-long input.
+        :raises MemoryNotFoundError: no such memory, or two memories are equally close to the text
+            (nothing is deleted: name it more precisely, or pass its id).
+        :raises StoreError: the store could not be searched or written.
+        """
+        text = inputs.check_text(text_or_id, "text_or_id")
+        self._acquire(stream=False)
+        try:
+            record = None
+            if text == text.strip() and len(text) <= 256 and text.isprintable():
+                record = self.store.get(text, tenant=self.user_id)
+            if record is not None:
+                decision, forgotten = (
+                    ("forget", record)
+                    if self.store.delete(record.id, tenant=self.user_id)
+                    else ("forget_ambiguous", None)
+                )
+            else:
+                decision, forgotten = forget_closest(self.store, forget_subject(text) or text, user_id=self.user_id)
+            if forgotten is None:
+                raise MemoryNotFoundError(
+                    f"no stored memory is clearly the one meant by {text[:80]!r} (none close enough, or two equally close); nothing was deleted"
+                )
+            self._window = _forgetting(self._window, forgotten)
+            return forgotten
+        finally:
+            self._release()
+
+    def close(self) -> list[Any]:
+        """End the session: the turns still waiting in the window to be archived are archived now.
+
+        The window stays as it is (the agent may go on); calling it again archives nothing twice.
+
+        :returns: the memories archived.
+        :raises StoreError: the store could not be written.
+        """
+        self._acquire(stream=False)
+        try:
+            archived = [
+                self._archive_deferred(turn)
+                for turn in self._window
+                if turn.decision == "defer" and turn.archived is None
+            ]
+            return [record for record in archived if record is not None]
+        finally:
+            self._release()
+
+    def __enter__(self) -> AgentMemory:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
     def observe(self, text: str) -> Any:
         """Write back a turn the agent did not answer: an imported transcript, another participant.
 
@@ -322,10 +401,11 @@ class AgentMemory:
         text = inputs.check_text(text, "text")
         self._acquire(stream=False)
         try:
-            _, correction = self._apply_correction(text)
-            _, _, archived = self._write_back(text, correction)
+            forget = self._apply_forget(text)
+            correction = None if forget else self._apply_correction(text)[1]
+            _, decision, archived = self._write_back(text, correction, forget, window=False)
             self._previous = text
-            return archived
+            return archived if decision not in ("forget", "forget_ambiguous") else None
         finally:
             self._release()
 
@@ -472,24 +552,57 @@ class AgentMemory:
         seen.update((turn.archived.id, turn.archived.version) for turn in turns if turn.archived is not None)
         return seen
 
-    def _write_back(self, text: str, correction: Any) -> tuple[float, Decision, Any]:
-        """Classify a finished turn and archive it (text and fragment) when it is worth it.
+    def _write_back(
+        self, text: str, correction: Any, forget: tuple[Decision, Any] | None, *, window: bool
+    ) -> tuple[float, Decision, Any]:
+        """Classify a finished turn and archive it when it carries information.
 
-        A correction was already stored as the new version of the memory it corrects.
+        A correction was already stored as the new version of the memory it corrects, and a
+        request to forget already deleted what it named (``forget``): neither is archived again.
+        ``window``: a deferred turn waits in the window (else it is archived now).
         """
+        if forget is not None:
+            return 0.0, forget[0], forget[1]
         if correction is not None:
             self._warm([correction])
             return self.writeback.importance(text, self._previous), "archive", correction
         if not self.settings.write_back:
-            importance = self.writeback.importance(text, self._previous)
-            decision = self.writeback.decide(importance)
-            return importance, "keep" if decision == "archive" else decision, None
+            return self.writeback.importance(text, self._previous), "window", None
         importance, decision, archived = archive(
-            self.writeback, self.store, text, self._previous, user_id=self.user_id, session_id=self.session_id
+            self.writeback,
+            self.store,
+            text,
+            self._previous,
+            user_id=self.user_id,
+            session_id=self.session_id,
+            window=window,
         )
-        if archived is not None:
-            self._warm([archived])
+        if archived is not None and importance >= self.writeback.eager_threshold:
+            self._warm([archived])  # a less important memory's fragment is encoded when first recalled
         return importance, decision, archived
+
+    def _archive_deferred(self, turn: _Turn) -> Any:
+        """Archive a turn that waited in the window (it is leaving it, or the session is closing)."""
+        turn.archived = self.store.add(
+            archived_text(turn.user, turn.previous),
+            tenant=self.user_id,
+            session_id=self.session_id,
+            importance_score=turn.importance,
+        )
+        return turn.archived
+
+    def _apply_forget(self, text: str) -> tuple[Decision, Any] | None:
+        """When ``text`` asks to forget something, delete the memory it names and take it out of the window.
+
+        :returns: (``"forget"`` or ``"forget_ambiguous"``, the memory deleted or ``None``), or
+            ``None`` when ``text`` is no such request.
+        """
+        if not self.settings.write_back or explicit_request(text) != "forget":
+            return None
+        decision, forgotten = forget_closest(self.store, forget_subject(text) or text, user_id=self.user_id)
+        if forgotten is not None:
+            self._window = _forgetting(self._window, forgotten)
+        return decision, forgotten
 
     def _apply_correction(self, text: str) -> tuple[Any, Any]:
         """When ``text`` corrects a stored memory, supersede it and take it out of the window.
@@ -538,7 +651,8 @@ class AgentMemory:
 
     def _plan(self, message: str, max_new_tokens: int) -> _Plan:
         started = time.perf_counter()
-        corrected, correction = self._apply_correction(message)
+        forget = self._apply_forget(message)
+        corrected, correction = (None, None) if forget else self._apply_correction(message)
         turns = list(self._window)
         exclude = self._visible(turns)
         if correction is not None:
@@ -553,7 +667,9 @@ class AgentMemory:
             while turns and sum(t.tokens for t in turns) + needed > target:
                 evicted.append(turns.pop(0))
             if evicted:  # what shifted out may be recalled again, now that the window no longer shows it
-                recalled = self._recall(message, self._visible(turns) | ({(correction.id, correction.version)} if correction else set()))
+                recalled = self._recall(
+                    message, self._visible(turns) | ({(correction.id, correction.version)} if correction else set())
+                )
         messages = self._system_messages()
         for turn in turns:
             messages.extend(turn.messages())
@@ -562,11 +678,16 @@ class AgentMemory:
             user["memories"] = recalled
         messages.append(user)
         retrieval_s = time.perf_counter() - started
-        return _Plan(message, recalled, corrected, correction, turns, evicted, messages, retrieval_s)
+        return _Plan(message, recalled, corrected, correction, forget, turns, evicted, messages, retrieval_s)
 
     def _commit(self, plan: _Plan, result: Any, text: str, stats: Any) -> Reply:
         """Write the finished turn back: window, archive, stats. Runs once per turn, under the lock."""
-        importance, decision, archived = self._write_back(plan.message, plan.correction)
+        # what leaves the window is archived, not dropped, unless it carried nothing
+        for evicted in plan.evicted:
+            if evicted.decision == "defer" and evicted.archived is None:
+                self._archive_deferred(evicted)
+        previous = self._previous
+        importance, decision, archived = self._write_back(plan.message, plan.correction, plan.forget, window=True)
         turn = _Turn(
             user=plan.message,
             recalled=tuple(plan.recalled),
@@ -575,10 +696,11 @@ class AgentMemory:
             reply_ids=list(result.token_ids) if result is not None else None,
             importance=importance,
             decision=decision,
-            archived=archived,
+            archived=archived if decision not in ("forget", "forget_ambiguous") else None,
+            previous=previous,
         )
         turn.tokens += self.engine.count_tokens(turn.reply, namespace=self.user_id) + _MESSAGE_OVERHEAD
-        self._window = plan.kept_turns + ([turn] if decision != "drop" else [])
+        self._window = plan.kept_turns + [turn]
         self._previous = last_sentence(turn.reply)
         return Reply(
             message=plan.message,
@@ -589,6 +711,7 @@ class AgentMemory:
             importance=importance,
             archived=turn.archived,
             corrected=plan.corrected,
+            forgotten=archived if decision == "forget" else None,
             evicted_turns=len(plan.evicted),
             retrieval_s=plan.retrieval_s,
             finish_reason=result.finish_reason if result is not None else "interrupted",
@@ -599,3 +722,8 @@ def _without(turn: _Turn, record: Any) -> _Turn:
     """``turn`` without ``record`` (any version of it) among its recalled memories."""
     kept = tuple(r for r in turn.recalled if r.id != record.id)
     return turn if len(kept) == len(turn.recalled) else replace(turn, recalled=kept)
+
+
+def _forgetting(turns: Sequence[_Turn], record: Any) -> list[_Turn]:
+    """The window without ``record``: neither the turn that stated it nor a memory recalled into a turn."""
+    return [_without(turn, record) for turn in turns if turn.archived is None or turn.archived.id != record.id]

@@ -11,10 +11,29 @@ import re
 from collections.abc import Collection
 from typing import Any
 
+from ..exceptions import VersionConflictError
 from ..store.memory_store import MAX_SEARCH_K
-from .writeback import Decision, WriteBackModel
+from .writeback import Decision, WriteBackModel, explicit_request, forget_subject, is_question_only
 
-__all__ = ["archive", "archived_text", "last_sentence", "recall"]
+__all__ = [
+    "FORGET_MARGIN",
+    "FORGET_MIN_SCORE",
+    "MAX_ARCHIVED_CHARS",
+    "archive",
+    "archived_text",
+    "forget_closest",
+    "last_sentence",
+    "recall",
+]
+
+# a turn longer than this is a document pasted in, not something said: the application stores
+# documents itself (chunked to fit the model), write-back leaves it in the window
+MAX_ARCHIVED_CHARS = 4000
+# a request to forget removes the closest memory only when it is this similar to what it names...
+FORGET_MIN_SCORE = 0.35
+# ...and this much closer than the next one ("forget the door code" with two door codes stored
+# removes neither: the user is told, and names one more precisely)
+FORGET_MARGIN = 0.05
 
 # candidates fetched beyond k: some are shown already, some rank up with session and importance
 _RECALL_SPARE = 8
@@ -80,21 +99,69 @@ def last_sentence(reply: str) -> str:
     return sentences[-1] if sentences else ""
 
 
+def forget_closest(
+    store: Any,
+    subject: str,
+    *,
+    user_id: str,
+    min_score: float = FORGET_MIN_SCORE,
+    margin: float = FORGET_MARGIN,
+) -> tuple[Decision, Any]:
+    """Delete the memory of ``user_id`` closest to ``subject``, when one is clearly the closest.
+
+    The memory is tombstoned (:meth:`~kvshift_memory.MemoryStore.history` shows it deleted, search
+    never returns it again, :meth:`~kvshift_memory.MemoryStore.gc` erases its data).
+
+    :returns: ``("forget", the record deleted)``, or ``("forget_ambiguous", None)`` when no memory
+        scores ``min_score`` or the two closest are within ``margin`` of each other (nothing deleted).
+    :raises StoreError: the store cannot be searched or written.
+    """
+    hits = [hit for hit in store.search(subject, tenant=user_id, k=2) if hit.score >= min_score]
+    if not hits or (len(hits) > 1 and hits[0].score - hits[1].score < margin):
+        return "forget_ambiguous", None
+    try:
+        deleted = store.delete(hits[0].id, tenant=user_id)
+    except VersionConflictError:  # changed by another writer meanwhile: what the user named may be gone
+        return "forget_ambiguous", None
+    return ("forget", hits[0]) if deleted else ("forget_ambiguous", None)
+
+
 def archive(
-    rule: WriteBackModel, store: Any, text: str, previous: str, *, user_id: str, session_id: str
+    rule: WriteBackModel,
+    store: Any,
+    text: str,
+    previous: str,
+    *,
+    user_id: str,
+    session_id: str,
+    window: bool = False,
 ) -> tuple[float, Decision, Any]:
-    """Classify ``text`` (a user's turn, answering ``previous``) and store it when ``rule`` archives it.
+    """Write back ``text``, a user's turn answering ``previous``, as ``rule`` decides.
+
+    "Remember …" always archives (importance 1); "forget …" deletes the closest memory
+    (:func:`forget_closest`) and archives nothing; any other turn is archived unless the rule finds
+    it content-free. A turn the rule defers (or a question that states nothing) is stored now
+    unless ``window`` says the caller keeps a working window that stores it when it leaves.
 
     :param previous: what the turn answers: :func:`last_sentence` of the assistant's reply, or
         the other participant's turn.
-    :returns: (importance, decision, the stored record or ``None``). A blank turn is dropped.
-    :raises StoreError: the store cannot be written.
+    :returns: (importance, decision, the record stored or forgotten, else ``None``). A blank turn,
+        or one longer than :data:`MAX_ARCHIVED_CHARS`, is ``"window"``.
+    :raises StoreError: the store cannot be searched or written.
     """
-    if not text.strip():
-        return 0.0, "drop", None
-    importance = rule.importance(text, previous)
-    decision = rule.decide(importance)
-    if decision != "archive":
+    if not text.strip() or len(text) > MAX_ARCHIVED_CHARS:
+        return 0.0, "window", None
+    request = explicit_request(text)
+    if request == "forget":
+        decision, forgotten = forget_closest(store, forget_subject(text) or text, user_id=user_id)
+        return 0.0, decision, forgotten
+    importance = 1.0 if request == "remember" else rule.importance(text, previous)
+    decision = "archive" if request == "remember" else rule.decide(importance)
+    if decision == "archive" and request is None and is_question_only(text):
+        decision = "defer"
+    if decision == "window" or (decision == "defer" and window):
         return importance, decision, None
-    record = store.add(archived_text(text, previous), tenant=user_id, session_id=session_id, importance_score=importance)
-    return importance, decision, record
+    record = store.add(
+        archived_text(text, previous), tenant=user_id, session_id=session_id, importance_score=importance
+    )
+    return importance, "archive", record

@@ -1,10 +1,16 @@
-"""Write-back: after each turn, decide whether it is archived as a memory, kept in the window, or dropped.
+"""Write-back: after each turn, decide what happens to the user's words.
 
-The decision comes from a logistic regression over eight cheap features of the user's message and
-the reply before it, fitted on LoCoMo's evidence labels (the turns later questions need) by
-``benchmarks/writeback.py --fit``, which writes ``writeback_model.json`` next to this module. The
-same script measures the shipped rule held out, a conversation at a time (see the README).
-The file holds 18 fitted numbers, not data: LoCoMo itself (CC BY-NC 4.0) is never copied here.
+Every user statement that carries information is stored; only content-free turns
+(acknowledgements, greetings, "ok thanks", "haha") stay in the window alone. A logistic regression
+over cheap features of the turn (:data:`FEATURES`) gives its *importance*, the probability that
+it carries something worth recalling; two fitted thresholds turn that into a :data:`Decision`, and
+the importance also ranks the memory at recall. Explicit requests (:func:`explicit_request`) are
+not left to the regression: "remember …" always archives, "forget …" removes a memory.
+
+The rule is fitted by ``benchmarks/writeback.py --fit`` on three sources (chat turns written for
+this project, LoCoMo's evidence labels, MemoryBank's user turns) and measured there on held-out
+splits; it is shipped as ``writeback_model.json`` next to this module: a few numbers, not data
+(LoCoMo itself, CC BY-NC 4.0, is never copied here).
 """
 
 from __future__ import annotations
@@ -17,37 +23,151 @@ from dataclasses import dataclass
 from importlib import resources
 from typing import Literal
 
-__all__ = ["FEATURES", "Decision", "WriteBackModel", "turn_features"]
+__all__ = [
+    "FEATURES",
+    "Decision",
+    "WriteBackModel",
+    "explicit_request",
+    "forget_subject",
+    "is_question_only",
+    "turn_features",
+]
 
-Decision = Literal["archive", "keep", "drop"]
+Decision = Literal["archive", "defer", "window", "forget", "forget_ambiguous"]
+"""What write-back did with a user's turn.
+
+- ``"archive"``: stored now (text and index entry; its fragment encoded now or on first recall);
+- ``"defer"``: kept in the window, stored when it leaves the window or the session closes (a
+  turn the rule is unsure of, or a question that states nothing: it matters while it is discussed);
+- ``"window"``: content-free, kept in the window only and never stored;
+- ``"forget"``: a request to forget, which removed the memory it named;
+- ``"forget_ambiguous"``: a request to forget that removed nothing (no stored memory was close
+  enough, or two were equally close).
+"""
 
 FEATURES = (
     "log words",
+    "log content words",
+    "content share",
     "has a digit",
-    "sqrt capitalised words",
+    "sqrt capitalised words inside a sentence",
     "first person",
     "is a question",
-    "shares an image",
     "answers a question",
-    "log words of the turn before",
 )
 
-_CAPITALISED = re.compile(r"\b[A-Z][a-z]+")
-_FIRST_PERSON = re.compile(r"\b(I|I'm|I've|my|me|we|our)\b")
+# English function words and the words small talk is made of: a turn made only of these carries
+# nothing to recall ("ok thanks", "haha that's so true", "good morning!").
+_PLAIN_WORDS = frozenset(
+    """
+    a about above after again against all also am an and any are as at be because been before being
+    below between both but by can could did do does doing down during each else even ever few for from
+    further had has have having he her here hers herself him himself his how i if in into is it its
+    itself just let me more most much must my myself no nor not now of off on once only or other our
+    ours ourselves out over own same she should so some still such than that the their theirs them
+    themselves then there these they this those through to too under until up very was we were what
+    when where which while who whom why will with would you your yours yourself yourselves
+    im ive id ill dont doesnt didnt isnt arent wasnt cant couldnt wont wouldnt thats whats its youre
+    theyre were hes shes lets theres heres
+    ok okay okie dokie k kk yes yeah yep yup yea ya no nope nah sure fine alright right well oh ah ahh
+    aw aww hmm hm mm uh um er huh wow whoa oops ugh meh yay woohoo hooray phew
+    haha hahaha hehe hihi lol lmao rofl xd omg wtf brb ttyl thx ty ta np pls plz
+    hi hello hey hiya howdy bye goodbye cya later soon again back morning evening night afternoon day
+    weekend nice good great cool awesome amazing brilliant lovely perfect excellent fantastic wonderful
+    fun funny hilarious sweet true totally exactly absolutely definitely indeed certainly course really
+    agreed agree same too thanks thank thankyou cheers appreciate appreciated welcome please sorry
+    kind kindly many lot lots bit little best job done stuff thing things point sense idea plan
+    see know think guess mean say said tell told hear heard sound sounds seems looks works work get got
+    gotcha understood noted care talk chat catch go going gone come coming continue next question
+    maybe perhaps probably whatever anyway anyways never mind important enough again here there
+    mate dude buddy man guys friend all everyone anyone someone something nothing everything
+    one two sec second minute moment wait hang hold make makes made worry worries fair interesting
+    laugh laughing thinking help helps helped today tonight happy glad take like forget remember
+    enjoy enjoyed pleasure
+    """.split()
+)
+_WORD = re.compile(r"[^\W_]+(?:'[^\W_]+)?")
+_SENTENCE_START = re.compile(r"(?:^|[.!?]\s+)([^\W\d_]+)")
+_FIRST_PERSON = re.compile(r"\b(?:I|I'm|I've|I'd|I'll|my|me|mine|we|we're|our|us)\b", re.IGNORECASE)
+
+_REMEMBER = re.compile(
+    r"^(?:(?:hey|ok|okay|so|and|also|btw|oh)[,!]?\s+)*(?:(?:please|pls|can you|could you|would you)\s+)?"
+    r"(?:remember|don'?t forget|do not forget|never forget|note that|note:|make a note|take note|keep in mind|for the record)\b",
+    re.IGNORECASE,
+)
+_FORGET = re.compile(
+    r"^(?:(?:hey|ok|okay|so|and|also|actually|oh)[,!]?\s+)*(?:(?:please|pls|can you|could you|would you)\s+)?"
+    r"(?:forget|delete|erase|wipe)\s+(?P<subject>.+)$",
+    re.IGNORECASE | re.DOTALL,
+)
+_SUBJECT_LEAD = re.compile(
+    r"^(?:(?:what|everything|anything|all)\s+(?:that\s+)?(?:I|we)\s+(?:said|told you|mentioned|wrote|shared)\s+"
+    r"(?:to you\s+)?(?:about|regarding|on)?\s*|about\s+|the (?:memory|note|fact|thing)s?\s+(?:about|of|that)\s+|that\s+)",
+    re.IGNORECASE,
+)
 
 
-def turn_features(text: str, previous: str = "", shares_image: bool = False) -> list[float]:
+def _words(text: str) -> list[str]:
+    return [w.lower().replace("'", "") for w in _WORD.findall(text)]
+
+
+def content_words(text: str) -> list[str]:
+    """The words of ``text`` that are neither function words nor small talk (numbers count)."""
+    return [w for w in _words(text) if w not in _PLAIN_WORDS and (len(w) > 1 or w.isdigit())]
+
+
+def turn_features(text: str, previous: str = "") -> list[float]:
     """The :data:`FEATURES` of a turn ``text`` that follows ``previous`` (raw, not standardised)."""
+    words = _words(text)
+    content = content_words(text)
+    sentence_starts = {m.start(1) for m in _SENTENCE_START.finditer(text)}
+    capitalised = sum(
+        1
+        for m in _WORD.finditer(text)
+        if m.group()[0].isupper() and m.start() not in sentence_starts and m.group() != "I"
+    )
     return [
-        math.log1p(len(text.split())),
+        math.log1p(len(words)),
+        math.log1p(len(content)),
+        len(content) / len(words) if words else 0.0,
         float(any(c.isdigit() for c in text)),
-        len(_CAPITALISED.findall(text)) ** 0.5,
+        capitalised**0.5,
         float(bool(_FIRST_PERSON.search(text))),
         float(text.strip().endswith("?")),
-        float(shares_image),
         float(previous.strip().endswith("?")),
-        math.log1p(len(previous.split())),
     ]
+
+
+def is_question_only(text: str) -> bool:
+    """Whether ``text`` asks and states nothing: one question ("What is my budget?")."""
+    stripped = text.strip()
+    return stripped.endswith("?") and not re.search(r"[.!?]\s", stripped)
+
+
+def explicit_request(text: str) -> Literal["remember", "forget"] | None:
+    """Whether ``text`` asks, in so many words, to remember something or to forget something.
+
+    A question ("do you remember …?") is neither, and neither is a request without a subject
+    ("forget it", "never mind"): those are small talk.
+    """
+    stripped = text.strip()
+    if not stripped or stripped.endswith("?"):
+        return None
+    if _REMEMBER.match(stripped):
+        return "remember"
+    if forget_subject(stripped) is not None:
+        return "forget"
+    return None
+
+
+def forget_subject(text: str) -> str | None:
+    """What a request to forget names ("delete what I said about the plumber" -> "the plumber"),
+    or ``None`` when ``text`` is no such request or names nothing ("forget it")."""
+    match = _FORGET.match(text.strip())
+    if match is None:
+        return None
+    subject = _SUBJECT_LEAD.sub("", match.group("subject").strip()).strip(" .!,;:")
+    return subject if content_words(subject) else None
 
 
 @dataclass(frozen=True)
@@ -56,8 +176,11 @@ class WriteBackModel:
 
     :param mean: ``std``: feature standardisation, from the fitting data.
     :param weight: ``bias``: the logistic regression over standardised features.
-    :param archive_threshold: importance at or above which a turn is archived.
-    :param drop_threshold: importance below which a turn is dropped (neither archived nor kept).
+    :param archive_threshold: importance at or above which a turn is archived now.
+    :param window_threshold: importance below which a turn is content-free (window only, never
+        stored); between the two thresholds a turn is deferred (stored when it leaves the window).
+    :param eager_threshold: importance at or above which an archived turn's fragment is encoded
+        at once; a less important one is encoded when it is first recalled.
     """
 
     mean: tuple[float, ...]
@@ -65,36 +188,52 @@ class WriteBackModel:
     weight: tuple[float, ...]
     bias: float
     archive_threshold: float
-    drop_threshold: float
+    window_threshold: float
+    eager_threshold: float
 
     @classmethod
     def bundled(cls) -> WriteBackModel:
-        """The rule fitted on LoCoMo and shipped with the package."""
+        """The rule shipped with the package."""
         data = json.loads(resources.files(__package__).joinpath("writeback_model.json").read_text(encoding="utf-8"))
         return cls.from_dict(data)
 
     @classmethod
     def from_dict(cls, data: dict) -> WriteBackModel:
-        return cls(
-            mean=tuple(data["mean"]),
-            std=tuple(data["std"]),
-            weight=tuple(data["weight"]),
+        """A rule from its stored form (what ``benchmarks/writeback.py --fit`` writes).
+
+        :raises KeyError: a field is missing; ``ValueError``: the feature count does not match.
+        """
+        model = cls(
+            mean=tuple(float(v) for v in data["mean"]),
+            std=tuple(float(v) for v in data["std"]),
+            weight=tuple(float(v) for v in data["weight"]),
             bias=float(data["bias"]),
             archive_threshold=float(data["archive_threshold"]),
-            drop_threshold=float(data["drop_threshold"]),
+            window_threshold=float(data["window_threshold"]),
+            eager_threshold=float(data["eager_threshold"]),
         )
+        if not len(model.mean) == len(model.std) == len(model.weight) == len(FEATURES):
+            raise ValueError(f"a write-back rule needs {len(FEATURES)} features, this one has {len(model.weight)}")
+        return model
 
     def importance_of_features(self, features: Sequence[float]) -> float:
-        """The probability that a turn with these raw features is needed later."""
-        z = self.bias + sum(w * (f - m) / s for w, f, m, s in zip(self.weight, features, self.mean, self.std))
+        """The probability that a turn with these raw features carries something to recall.
+
+        A turn without a single content word carries nothing, whatever else it has: 0.
+        """
+        if features[FEATURES.index("log content words")] == 0.0:
+            return 0.0
+        z = self.bias + sum(
+            w * (f - m) / s for w, f, m, s in zip(self.weight, features, self.mean, self.std, strict=True)
+        )
         return 1.0 / (1.0 + math.exp(-max(-60.0, min(60.0, z))))
 
-    def importance(self, text: str, previous: str = "", shares_image: bool = False) -> float:
-        """The probability that the turn ``text`` is needed later (stored as the memory's importance)."""
-        return self.importance_of_features(turn_features(text, previous, shares_image))
+    def importance(self, text: str, previous: str = "") -> float:
+        """The probability that the turn ``text`` carries something to recall (its memory's importance)."""
+        return self.importance_of_features(turn_features(text, previous))
 
     def decide(self, importance: float) -> Decision:
-        """``"archive"`` (store it now), ``"keep"`` (window only) or ``"drop"`` (not even the window)."""
+        """``"archive"``, ``"defer"`` or ``"window"`` for a turn of this importance."""
         if importance >= self.archive_threshold:
             return "archive"
-        return "drop" if importance < self.drop_threshold else "keep"
+        return "window" if importance < self.window_threshold else "defer"

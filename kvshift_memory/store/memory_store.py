@@ -309,22 +309,27 @@ class MemoryStore:
         return True
 
     def history(self, memory_id: str, *, tenant: str) -> list[MemoryRecord]:
-        """Every version of a live memory, oldest first (the last one is live).
+        """Every version of a memory, oldest first: the last one is live, or, for a deleted memory
+        whose data :meth:`gc` has not erased yet, its tombstone (``status="deleted"``).
 
-        :raises MemoryNotFoundError: no live memory with that id for ``tenant``.
+        :raises MemoryNotFoundError: no memory with that id for ``tenant``, or its data was erased.
         """
         tenant, _ = self._ids(tenant, None)
         memory_id = inputs.check_identifier(memory_id, "memory_id")
-        live = self._live(tenant, memory_id)
-        if live is None:
-            raise MemoryNotFoundError(f"no live memory {memory_id!r} for tenant {tenant!r}")
+        _, head = self._read_head(tenant, memory_id)
+        last = self._live_at(tenant, memory_id, head)
+        if last is None and head is not None and head["deleted"] and not head.get("erased"):
+            deleted = self._read_record(tenant, memory_id, head["v"], head["w"])
+            last = None if deleted is None else replace(deleted, status="deleted", fragment_source=self)
+        if last is None or head is None:
+            raise MemoryNotFoundError(f"no memory {memory_id!r} for tenant {tenant!r}")
         versions = []
-        for version in range(1, live.version):
+        for version in range(1, last.version):
             writer = self._published_writer(tenant, memory_id, version)
             record = self._read_record(tenant, memory_id, version, writer) if writer else None
             if record is not None:
                 versions.append(replace(record, status="superseded", fragment_source=self))
-        return [*versions, self._with_access(live)]
+        return [*versions, self._with_access(last)]
 
     def find_by_hash(self, source_text_hash: str, *, tenant: str) -> MemoryRecord | None:
         """The live memory of ``tenant`` whose text has this hash (the path text -> fragment), or ``None``."""

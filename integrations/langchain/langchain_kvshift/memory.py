@@ -107,8 +107,8 @@ class KVShiftMemory(BaseMemory):
         self._shown.update((record.id, record.version) for record in self._recalled)
         self._recalled = []
         if self.write_back:
-            _, _, record = archive(self._rule, self.store, human, previous, user_id=self.user_id, session_id=self.session_id)
-            if record is not None:
+            _, decision, record = archive(self._rule, self.store, human, previous, user_id=self.user_id, session_id=self.session_id)
+            if record is not None and decision == "archive":
                 self._shown.add((record.id, record.version))
 
     def clear(self) -> None:

@@ -255,10 +255,10 @@ class KVShiftMemory(BaseMemory):
         turn.written_back = True
         replies = [e for e in self._entries[: users[-1]] if e.message.role == MessageRole.ASSISTANT]
         previous = last_sentence(replies[-1].message.content or "") if replies else ""
-        _, _, record = archive(
+        _, decision, record = archive(
             self._rule, self.store, turn.message.content or "", previous, user_id=self.user_id, session_id=self.session_id
         )
-        if record is None:
+        if record is None or decision != "archive":  # nothing stored (or a request to forget, which deleted it)
             return
         turn.archived = record
         # encoded now, after the reply: the turn that recalls it later reads it for free
