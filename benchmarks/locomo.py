@@ -140,6 +140,7 @@ def main() -> None:
     parser.add_argument("--k", type=int, default=4, help="memories recalled per question")
     parser.add_argument("--max-new-tokens", type=int, default=24)
     parser.add_argument("--full-context-tokens", type=int, default=4096)
+    parser.add_argument("--reuse", default="blend", help="the kvshift condition's reuse (blend or prefix)")
     parser.add_argument("--recompute-ratio", type=float, default=None, help="the blend's (default: the agent's)")
     parser.add_argument("--min-recompute-tokens", type=int, default=None, help="the engine setting (default: its own)")
     parser.add_argument("--output", type=Path, default=RESULTS / "locomo.json")
@@ -150,13 +151,15 @@ def main() -> None:
     questions = json.loads((locomo_dir() / "derived" / "locomo_cat4_extractive_short.json").read_text())
     overrides = {} if args.min_recompute_tokens is None else {"min_recompute_tokens": args.min_recompute_tokens}
     engine = KVShiftEngine.from_pretrained(**overrides)
-    settings = AgentSettings(system_prompt=SYSTEM_PROMPT, recall_k=args.k, max_new_tokens=args.max_new_tokens)
+    # ingested as the asking setting will read it: the blend's fragments are encoded on archive
+    settings = AgentSettings(system_prompt=SYSTEM_PROMPT, recall_k=args.k, max_new_tokens=args.max_new_tokens, reuse=args.reuse)
     asking = AgentSettings(system_prompt=SYSTEM_PROMPT, recall_k=args.k, max_new_tokens=args.max_new_tokens, write_back=False)
     if args.recompute_ratio is not None:
         asking = replace(asking, recompute_ratio=args.recompute_ratio)
     report: dict = {
         "command": " ".join(["python", *sys.argv]),
         "k": args.k,
+        "reuse": args.reuse,
         "recompute_ratio": asking.recompute_ratio,
         "min_recompute_tokens": engine.settings.min_recompute_tokens,
         "samples": {},
@@ -200,7 +203,7 @@ def main() -> None:
 
                 # kvshift first: "rag" leaves its exact prompt in the prefix cache, which kvshift
                 # would then reuse whole (recomputing nothing) instead of placing fragments
-                for condition, reuse in (("kvshift", "blend"), ("rag", "none")):
+                for condition, reuse in (("kvshift", args.reuse), ("rag", "none")):
                     # each pays its own query embedding (the embedder keeps recent queries' vectors)
                     store.clear_cache()
                     agent = AgentMemory(
@@ -267,7 +270,7 @@ def main() -> None:
     print(f"kvshift TTFT {summary['kvshift_ttft_speedup_vs_rag']:.2f}x lower than text RAG at the median; same recall in {summary['same_recall']:.0%}")
     if summary["retention_vs_rag"] is not None:
         print(
-            f"answer retention of kvshift (recompute_ratio {asking.recompute_ratio}) against the same recall with "
+            f"answer retention of kvshift ({args.reuse}, recompute_ratio {asking.recompute_ratio}) against the same recall with "
             f"reuse='none': {summary['retention_vs_rag']:.3f} of {len(right)} right answers kept"
         )
     costs = summary["learned_costs"]

@@ -116,4 +116,9 @@ def test_demo_runs_both_sessions_with_recall_and_a_correction(capsys):
     session_2 = out.split("== session 2")[1]
     assert "speed-up" in session_2 and "The budget for the Lisbon trip is not 50" in session_2  # v2 recalled first
     assert "My dog Biscuit" in session_2  # archived in session 1, recalled in session 2
+    # a fact stated, not asked, in session 1 is the best recall of the question about it
+    hotel = next(line for line in session_2.splitlines() if line.startswith("Who books the hotel"))
+    assert "Marta books the hotel" in hotel and "planning" in hotel
+    thanks = next(line for line in out.splitlines() if line.startswith("ok, thanks!"))
+    assert thanks.rstrip().endswith("window")  # small talk stays in the window, never stored
     assert "demo finished" in out

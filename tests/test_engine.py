@@ -285,7 +285,8 @@ def test_memories_at_an_offset_sit_there_and_are_placed_as_fragments(tiny_engine
     assert f"Facts you know:\n{MEMORIES[2]}\n{MEMORIES[3]}\nHuman: where is the meeting?" in text
     assert [span.text for span in layout.fragments] == MEMORIES[2:]
     assert tokenizer.decode(layout.token_ids[layout.fragments[0].start : layout.fragments[-1].end]) == "\n".join(MEMORIES[2:]) + "\n"
-    stats = tiny_engine.generate([message], reuse="blend", max_new_tokens=2).stats
+    # shift only: at the default ratio memories this short are recomputed whole, never placed
+    stats = tiny_engine.generate([message], reuse="blend", recompute_ratio=0.0, max_new_tokens=2).stats
     assert stats.fragments_hit + stats.fragments_missed == 2
 
 
@@ -364,12 +365,13 @@ def test_the_memory_opening_the_block_is_read_exactly_from_its_lead_fragment(tin
 def test_a_lead_fragment_is_not_encoded_at_question_time_when_the_ordinary_one_is_cached(tiny_engine):
     tiny_engine.clear_cache()
     tiny_engine.warm(MEMORIES, "q", lead_fragments=False)
-    stats = tiny_engine.generate("q", MEMORIES, reuse="blend", max_new_tokens=1).stats
+    # shift only: at the default ratio memories this short are recomputed whole, never placed
+    stats = tiny_engine.generate("q", MEMORIES, reuse="blend", recompute_ratio=0.0, max_new_tokens=1).stats
     assert stats.fragments_hit == len(MEMORIES) and stats.fragments_missed == 0 and stats.encoded_tokens == 0
     assert _span_error(tiny_engine, MEMORIES, 0) > 1e-3  # shifted, as the others
     # cold, the memory opening the block is encoded as it reads there (its lead fragment), the others as usual
     tiny_engine.clear_cache()
-    cold = tiny_engine.generate("q", MEMORIES, reuse="blend", max_new_tokens=1).stats
+    cold = tiny_engine.generate("q", MEMORIES, reuse="blend", recompute_ratio=0.0, max_new_tokens=1).stats
     assert cold.fragments_missed == len(MEMORIES) and _partition_holds(cold)
     assert len(tiny_engine._fragments) == len(MEMORIES)
     assert _span_error(tiny_engine, MEMORIES, 0) < 1e-5
@@ -393,10 +395,10 @@ def test_fragments_encoded_after_a_fixed_system_message_serve_any_system_message
     assert tiny_engine.warm(MEMORIES, fragments_after=fixed) == len(MEMORIES)
     for documents in ("Document: Lisbon has trams.", "Document: Porto has bridges."):  # a system message that changes
         messages = [{"role": "system", "content": documents}, {"role": "user", "content": "q"}]
-        without = tiny_engine.generate(messages, MEMORIES, max_new_tokens=1)
+        without = tiny_engine.generate(messages, MEMORIES, max_new_tokens=1, recompute_ratio=0.0)
         assert without.stats.fragments_hit == 0  # by default fragments are encoded after this prompt's own
         tiny_engine.clear_cache(fragments=False)
-        fixed_stats = tiny_engine.generate(messages, MEMORIES, max_new_tokens=1, fragments_after=fixed).stats
+        fixed_stats = tiny_engine.generate(messages, MEMORIES, max_new_tokens=1, fragments_after=fixed, recompute_ratio=0.0).stats
         assert fixed_stats.fragments_hit == len(MEMORIES) and fixed_stats.fragments_missed == 0
     with pytest.raises(InvalidInputError):
         tiny_engine.generate("q", MEMORIES, fragments_after="  ")
@@ -565,7 +567,7 @@ def test_a_memory_in_a_user_message_shares_the_system_placements_fragment(tiny_e
     tiny_engine.clear_cache()
     tiny_engine.warm(MEMORIES[:2])
     messages = [{"role": "user", "content": "What about the budget?", "memories": MEMORIES[:2]}]
-    result = tiny_engine.generate(messages, max_new_tokens=3)
+    result = tiny_engine.generate(messages, max_new_tokens=3, recompute_ratio=0.0)  # shift only: placed, not recomputed whole
     stats = result.stats
     assert stats.reuse == "blend" and stats.fragments_hit == 2 and stats.fragments_missed == 0
     assert _partition_holds(stats)
@@ -707,3 +709,20 @@ def test_a_text_one_namespace_tokenised_is_tokenised_again_for_another(tokenizer
     ids = memo.scoped("alice").encode(secret)
     assert memo.scoped("alice").encode(secret) == ids and calls == [secret]  # alice's own: remembered
     assert memo.scoped("bob").encode(secret) == ids and calls == [secret, secret]  # bob's: tokenised again
+
+
+def test_memories_the_blend_would_recompute_whole_take_one_exact_pass(tiny_engine):
+    # four short memories are fewer tokens than the blend's minimum recompute: they are recomputed
+    # with the question in one pass, not fetched, placed and ranked first
+    tiny_engine.clear_cache()
+    tiny_engine.warm(MEMORIES, "q", lead_fragments=False)
+    blend = tiny_engine.score("q", MEMORIES, "Lisbon in May", reuse="blend")
+    full = tiny_engine.score("q", MEMORIES, "Lisbon in May", reuse="none")
+    assert max(abs(a - b) for a, b in zip(blend.logprobs, full.logprobs, strict=True)) < 1e-4
+    stats = blend.stats
+    assert stats.reuse == "blend" and stats.fragments_recomputed == len(MEMORIES)
+    assert stats.fragments_hit == stats.fragments_missed == 0 and stats.encoded_tokens == 0
+    assert _partition_holds(stats)
+    # past the minimum the blend places fragments as before
+    shifted = tiny_engine.score("q", MEMORIES, "Lisbon in May", reuse="blend", recompute_ratio=0.0).stats
+    assert shifted.fragments_hit == len(MEMORIES) and shifted.fragments_recomputed == 0

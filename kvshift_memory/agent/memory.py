@@ -12,8 +12,8 @@ One turn (:meth:`AgentMemory.chat`):
 4. *window shift*: when the window passes its budget, its oldest turns leave it; the engine
    finds the rest of the window in its cache behind the cut and re-encodes its positions (RoPE
    shift) instead of recomputing it, the system prompt staying as attention sink;
-5. *write-back*: every user message that carries information is archived as a memory (its
-   fragment encoded now when it is important, else on first recall); a content-free one
+5. *write-back*: every user message that carries information is archived as a memory (with
+   ``reuse="blend"``, its fragment encoded now when it is important, else on first recall); a content-free one
    ("ok thanks") stays in the window only; one the rule is unsure of waits in the window and is
    archived when it leaves it (or when the session is closed). "Remember …" always archives,
    "forget …" deletes the closest memory (:meth:`AgentMemory.forget`).
@@ -55,12 +55,14 @@ class AgentSettings:
     :param window_keep: share of the budget the window is cut back to when it passes it (several
         turns leave at once, so the window shifts rarely).
     :param max_new_tokens: default reply length bound.
-    :param reuse: ``"blend"`` (default), ``"prefix"`` (exact reuse only) or ``"none"`` (the baseline).
+    :param reuse: ``"prefix"`` (default: exact reuse of the system prompt and the session's earlier
+        turns, recalled memories recomputed with the question, so answers are full recompute's),
+        ``"blend"`` (recalled memories' stored fragments shifted into place, a share of their tokens
+        recomputed: faster on long memories, and it changes some answers) or ``"none"`` (the
+        baseline). Chosen by answer retention against ``"none"`` first, then time to first token
+        (docs/benchmarks/writeback.md).
     :param recompute_ratio: the blend's share of recalled fragment tokens recomputed (``None``: the
-        engine's default). Default 0, shift only: a turn's prompt is short, and the blend's repair
-        (a second pass) costs about what reuse saves. On LoCoMo (``benchmarks/locomo.py``, README)
-        shift-only answered as accurately as text RAG at 3.9-4.2x lower TTFT; the engine's 10 % repair
-        answered better (0.367 against 0.300 contains-answer) at only 1.64x.
+        engine's default; 0 is shift only, which loses copied names and numbers).
     :param correction_min_score: a correction supersedes the closest memory only when at least this
         similar to it.
     :param busy_timeout_s: how long a call waits for another call on the same session to finish.
@@ -76,8 +78,8 @@ class AgentSettings:
     window_tokens: int = 2048
     window_keep: float = 0.6
     max_new_tokens: int = 96
-    reuse: str = "blend"
-    recompute_ratio: float | None = 0.0
+    reuse: str = "prefix"
+    recompute_ratio: float | None = None
     correction_min_score: float = 0.5
     busy_timeout_s: float = 300.0
     write_back: bool = True
@@ -564,7 +566,8 @@ class AgentMemory:
         if forget is not None:
             return 0.0, forget[0], forget[1]
         if correction is not None:
-            self._warm([correction])
+            if self.settings.reuse == "blend":
+                self._warm([correction])
             return self.writeback.importance(text, self._previous), "archive", correction
         if not self.settings.write_back:
             return self.writeback.importance(text, self._previous), "window", None
@@ -577,8 +580,9 @@ class AgentMemory:
             session_id=self.session_id,
             window=window,
         )
-        if archived is not None and importance >= self.writeback.eager_threshold:
-            self._warm([archived])  # a less important memory's fragment is encoded when first recalled
+        # fragments are read only by the blend; a less important memory's is encoded when first recalled
+        if archived is not None and self.settings.reuse == "blend" and importance >= self.writeback.eager_threshold:
+            self._warm([archived])
         return importance, decision, archived
 
     def _archive_deferred(self, turn: _Turn) -> Any:

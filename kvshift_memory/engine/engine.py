@@ -815,8 +815,20 @@ class KVShiftEngine:
             return _Prepared(cache, logits[-1], stats, exact_until)
 
         first = new_spans[0].start
-        self._prefill_exact(cache, ids, reused, first, logits="none")
         lead = new_spans[:1] if self._reads_lead(layout, new_spans[0]) else []
+        if not lead and self._recomputes_everything(new_spans, ratio):
+            # memories this short are recomputed whole anyway: one exact pass, without fetching
+            # their fragments or ranking their tokens first (which made short prompts slower than
+            # full recompute); the answer is full recompute's
+            logits = self._prefill_exact(cache, ids, reused, n)
+            recomputed = torch.zeros(n, dtype=torch.bool)
+            for span in new_spans:
+                recomputed[span.start : span.end] = True
+            stats.fragments_recomputed = len(new_spans)
+            stats.recomputed_tokens = int(recomputed.sum())
+            stats.prefilled_tokens = n - reused - stats.recomputed_tokens
+            return _Prepared(cache, logits[-1], stats, exact_until, recomputed)
+        self._prefill_exact(cache, ids, reused, first, logits="none")
         shifted_spans = new_spans[len(lead) :]
         # The cost model may find a short stored fragment cheaper to recompute than to fetch.
         inline = [span for span in shifted_spans if self._recompute_instead(layout, span)]
@@ -840,10 +852,7 @@ class KVShiftEngine:
         tail = layout.tail_start
         candidates = [torch.arange(s.start, s.end) for s in fetched]
         total = sum(s.end - s.start for s in shifted_spans)
-        count = round(ratio * total)
-        if ratio > 0:
-            count = max(count, min(total, self.settings.min_recompute_tokens))
-        count = min(count, sum(c.numel() for c in candidates))
+        count = min(self._recompute_count(total, ratio), sum(c.numel() for c in candidates))
         forced = torch.cat([torch.arange(s.start, s.end) for s in inline]) if inline else torch.zeros(0, dtype=torch.long)
         if count > 0:
             capture: list[torch.Tensor] = []
@@ -895,6 +904,16 @@ class KVShiftEngine:
         stats.recomputed_tokens = int(chosen.numel())
         stats.prefilled_tokens = (first - reused) + (n - tail)
         return _Prepared(cache, logits[-1], stats, exact_until, recomputed)
+
+    def _recompute_count(self, total: int, ratio: float) -> int:
+        """How many of ``total`` shifted fragment tokens the blend recomputes at ``ratio``."""
+        if ratio <= 0:
+            return 0
+        return min(total, max(round(ratio * total), self.settings.min_recompute_tokens))
+
+    def _recomputes_everything(self, spans: list[FragmentSpan], ratio: float) -> bool:
+        total = sum(span.end - span.start for span in spans)
+        return total > 0 and self._recompute_count(total, ratio) >= total
 
     def _recompute_instead(self, layout: PromptLayout, span: FragmentSpan) -> bool:
         """Whether the cost model finds a stored memory cheaper to recompute than to fetch.

@@ -36,7 +36,8 @@ class ReuseStats:
     :param fragments_rejected: stored fragments refused (corrupt, or not matching the memory) and
         re-encoded from text instead.
     :param fragments_recomputed: stored memories the cost model found cheaper to recompute with
-        the question than to fetch (their tokens count as recomputed).
+        the question than to fetch, or that the blend recomputes whole anyway (their tokens fewer
+        than ``min_recompute_tokens``); their tokens count as recomputed.
     :param recompute_ratio: the share of fragment tokens the blend was asked to recompute.
     :param fallback_reason: why the requested reuse was not applied, when it was not.
     """
