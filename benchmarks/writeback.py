@@ -265,6 +265,7 @@ def run_agent(args: argparse.Namespace, report: dict, model: WriteBackModel) -> 
         with MemoryStore(folder) as store:
             started = time.perf_counter()
             for number in range(SESSIONS):
+                # told with the asking setting's reuse: a blend agent encodes fragments as it archives
                 agent = AgentMemory(
                     engine,
                     store,
@@ -272,6 +273,7 @@ def run_agent(args: argparse.Namespace, report: dict, model: WriteBackModel) -> 
                     session_id=f"told-{number}",
                     writeback=model,
                     max_new_tokens=args.tell_tokens,
+                    reuse=asking.reuse,
                 )
                 for message in told[number * per_session : (number + 1) * per_session]:
                     agent.chat(message)
