@@ -95,8 +95,9 @@ class ChatKVShift(BaseChatModel):
     :param temperature: 0 for greedy decoding.
     :param stop: strings that end a reply (not included).
     :param reuse: ``"none"``, ``"prefix"``, ``"blend"`` or ``None`` (the engine's choice).
-    :param recompute_ratio: the blend's share of memory tokens recomputed; 0 (shift only) as the
-        agent does, ``None`` for the engine's default.
+    :param recompute_ratio: the blend's share of memory tokens recomputed; 0 (shift only, the
+        fastest, and it changes some answers: docs/benchmarks/writeback.md), ``None`` for the
+        engine's default. ``reuse="prefix"`` answers as full recompute does, as ``AgentMemory`` does.
     :param store: with ``user_id`` (and ``session_id``), memory markers in human messages that
         name this user's memories resolve to them and bring their stored K/V (DESIGN §4); without
         a store every marker is plain text. Markers are never shown to the model.
@@ -115,8 +116,6 @@ class ChatKVShift(BaseChatModel):
     seed: int | None = None
     stop: list[str] | None = None
     reuse: str | None = None
-    # shift only, as AgentMemory recalls (AgentSettings.recompute_ratio): measured on LoCoMo, the
-    # blend's repair pass costs a chat turn most of its speed-up and no accuracy (README)
     recompute_ratio: float | None = 0.0
     streaming: bool = False
     store: MemoryStore | None = Field(default=None, exclude=True)

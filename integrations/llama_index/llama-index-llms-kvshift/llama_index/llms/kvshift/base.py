@@ -68,8 +68,10 @@ class KVShiftLLM(CustomLLM):
         SmolLM2-135M-Instruct. The process shares one engine per model, loaded on first use.
     :param max_tokens: most tokens generated per call; ``temperature`` 0 decodes greedily.
     :param reuse: ``"none"``, ``"prefix"``, ``"blend"`` or ``None`` (the engine's choice).
-    :param recompute_ratio: the blend's share of memory tokens recomputed; 0 (shift only) as
-        :class:`~kvshift_memory.AgentMemory` does, ``None`` for the engine's default.
+    :param recompute_ratio: the blend's share of memory tokens recomputed; 0 (shift only, the
+        fastest, and it changes some answers: docs/benchmarks/writeback.md), ``None`` for the
+        engine's default. ``reuse="prefix"`` answers as full recompute does, as
+        :class:`~kvshift_memory.AgentMemory` does.
     :param store: with ``user_id`` (and ``session_id``), memory markers in user messages that name
         this user's memories resolve to them and bring their stored K/V; without a store every
         marker is plain text. Markers are never shown to the model.
