@@ -138,3 +138,10 @@ def test_a_session_used_as_a_context_manager_archives_what_waits(bundled_engine,
         assert agent.chat("My blood type is O negative.").decision == "defer"
         assert store.stats()["memories"] == 0
     assert any("O negative" in text for text in _texts(store, "blood type"))
+
+
+def test_an_observed_transcript_forgets_nothing(bundled_engine, store):
+    agent = _agent(bundled_engine, store)
+    code = agent.add("The door code for the building is 4417.")
+    assert agent.observe("Forget what I said about the door code.") is not None  # archived as a turn
+    assert store.get(code.id, tenant="alice") is not None

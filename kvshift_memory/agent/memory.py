@@ -403,11 +403,11 @@ class AgentMemory:
         text = inputs.check_text(text, "text")
         self._acquire(stream=False)
         try:
-            forget = self._apply_forget(text)
-            correction = None if forget else self._apply_correction(text)[1]
-            _, decision, archived = self._write_back(text, correction, forget, window=False)
+            # a transcript's "forget about it" is someone's words, not a request to this memory
+            _, correction = self._apply_correction(text)
+            _, _, archived = self._write_back(text, correction, None, window=False)
             self._previous = text
-            return archived if decision not in ("forget", "forget_ambiguous") else None
+            return archived
         finally:
             self._release()
 
@@ -579,6 +579,7 @@ class AgentMemory:
             user_id=self.user_id,
             session_id=self.session_id,
             window=window,
+            requests=window,  # only a chat turn (the one with a window) is the user's own request
         )
         # fragments are read only by the blend; a less important memory's is encoded when first recalled
         if archived is not None and self.settings.reuse == "blend" and importance >= self.writeback.eager_threshold:

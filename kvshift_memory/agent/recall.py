@@ -135,6 +135,7 @@ def archive(
     user_id: str,
     session_id: str,
     window: bool = False,
+    requests: bool = True,
 ) -> tuple[float, Decision, Any]:
     """Write back ``text``, a user's turn answering ``previous``, as ``rule`` decides.
 
@@ -145,13 +146,15 @@ def archive(
 
     :param previous: what the turn answers: :func:`last_sentence` of the assistant's reply, or
         the other participant's turn.
+    :param requests: honour "remember …" and "forget …" (the user's own words); ``False`` for a
+        transcript, where another participant's "forget about it" must delete nothing.
     :returns: (importance, decision, the record stored or forgotten, else ``None``). A blank turn,
         or one longer than :data:`MAX_ARCHIVED_CHARS`, is ``"window"``.
     :raises StoreError: the store cannot be searched or written.
     """
     if not text.strip() or len(text) > MAX_ARCHIVED_CHARS:
         return 0.0, "window", None
-    request = explicit_request(text)
+    request = explicit_request(text) if requests else None
     if request == "forget":
         decision, forgotten = forget_closest(store, forget_subject(text) or text, user_id=user_id)
         return 0.0, decision, forgotten
