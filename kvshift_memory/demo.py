@@ -101,8 +101,8 @@ def run_demo(store_path: str | None = None, max_new_tokens: int = 32) -> int:
             print(f"\nanswers ({default} | none):")
             for question, answers in table:
                 print(f"  {question}")
-                print(f"    {default + ':':<8} {answers[default].text.strip()[:100]}")
-                print(f"    {'none:':<8} {answers['none'].text.strip()[:100]}")
+                for name in (default, "none"):  # one line each: a reply's line breaks would scatter the table
+                    print(f"    {name + ':':<8} {' '.join(answers[name].text.split())[:100]}")
             print(
                 "\nTTFT counts from the call, recall from the store included. These memories are a sentence each,\n"
                 "so there is little to reuse: the gain grows with what is recalled (README, docs/benchmarks).\n"
