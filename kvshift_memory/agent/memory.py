@@ -34,7 +34,7 @@ from .. import inputs
 from ..exceptions import InvalidInputError, MemoryNotFoundError, SessionBusyError
 from .corrections import is_correction_cue
 from .recall import archive, archived_text, forget_closest, last_sentence, recall
-from .writeback import Decision, WriteBackModel, explicit_request, forget_subject
+from .writeback import Decision, WriteBackModel, explicit_request
 
 __all__ = ["AgentMemory", "AgentSettings", "Reply", "ReplyStream"]
 
@@ -345,17 +345,13 @@ class AgentMemory:
         text = inputs.check_text(text_or_id, "text_or_id")
         self._acquire(stream=False)
         try:
-            record = None
+            by_id = None
             if text == text.strip() and len(text) <= 256 and text.isprintable():
-                record = self.store.get(text, tenant=self.user_id)
-            if record is not None:
-                decision, forgotten = (
-                    ("forget", record)
-                    if self.store.delete(record.id, tenant=self.user_id)
-                    else ("forget_ambiguous", None)
-                )
+                by_id = self.store.get(text, tenant=self.user_id)
+            if by_id is not None:
+                forgotten = by_id if self.store.delete(by_id.id, tenant=self.user_id) else None
             else:
-                decision, forgotten = forget_closest(self.store, forget_subject(text) or text, user_id=self.user_id)
+                _, forgotten = forget_closest(self.store, text, user_id=self.user_id)
             if forgotten is None:
                 raise MemoryNotFoundError(
                     f"no stored memory is clearly the one meant by {text[:80]!r} (none close enough, or two equally close); nothing was deleted"
@@ -604,7 +600,7 @@ class AgentMemory:
         """
         if not self.settings.write_back or explicit_request(text) != "forget":
             return None
-        decision, forgotten = forget_closest(self.store, forget_subject(text) or text, user_id=self.user_id)
+        decision, forgotten = forget_closest(self.store, text, user_id=self.user_id)
         if forgotten is not None:
             self._window = _forgetting(self._window, forgotten)
         return decision, forgotten

@@ -101,13 +101,16 @@ def last_sentence(reply: str) -> str:
 
 def forget_closest(
     store: Any,
-    subject: str,
+    request: str,
     *,
     user_id: str,
     min_score: float = FORGET_MIN_SCORE,
     margin: float = FORGET_MARGIN,
 ) -> tuple[Decision, Any]:
-    """Delete the memory of ``user_id`` closest to ``subject``, when one is clearly the closest.
+    """Delete the memory of ``user_id`` closest to what ``request`` names, when one is clearly the closest.
+
+    ``request`` is a request to forget ("delete what I said about the plumber": its subject is
+    searched, :func:`~kvshift_memory.agent.writeback.forget_subject`) or the subject itself.
 
     The memory is tombstoned (:meth:`~kvshift_memory.MemoryStore.history` shows it deleted, search
     never returns it again, :meth:`~kvshift_memory.MemoryStore.gc` erases its data).
@@ -116,6 +119,7 @@ def forget_closest(
         scores ``min_score`` or the two closest are within ``margin`` of each other (nothing deleted).
     :raises StoreError: the store cannot be searched or written.
     """
+    subject = forget_subject(request) or request
     hits = [hit for hit in store.search(subject, tenant=user_id, k=2) if hit.score >= min_score]
     if not hits or (len(hits) > 1 and hits[0].score - hits[1].score < margin):
         return "forget_ambiguous", None
@@ -156,7 +160,7 @@ def archive(
         return 0.0, "window", None
     request = explicit_request(text) if requests else None
     if request == "forget":
-        decision, forgotten = forget_closest(store, forget_subject(text) or text, user_id=user_id)
+        decision, forgotten = forget_closest(store, text, user_id=user_id)
         return 0.0, decision, forgotten
     importance = 1.0 if request == "remember" else rule.importance(text, previous)
     decision = "archive" if request == "remember" else rule.decide(importance)
