@@ -31,6 +31,7 @@ import argparse
 import platform
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -39,6 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchdata import build_instances, write_report  # noqa: E402
 
 from kvshift_memory import KVShiftEngine  # noqa: E402
+from kvshift_memory.engine.blend import reads_lead  # noqa: E402
 from kvshift_memory.kv.cache import ForwardStep  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -62,7 +64,7 @@ def last_token_attention(engine: KVShiftEngine, prepared, ids: torch.Tensor) -> 
     """
     n = ids.numel()
     capture: list[torch.Tensor] = []
-    engine._forward(
+    engine.forward(
         prepared.cache,
         ids[n - 1 :],
         ForwardStep(torch.tensor([n - 1]), n, capture=capture, capture_queries=1),
@@ -109,14 +111,15 @@ def measure(engine: KVShiftEngine, instance) -> dict[str, dict[str, list[float]]
     memories = list(instance.memories)
     engine.clear_cache(fragments=False)
     engine.warm(memories, messages)
-    layout, mode, ratio, requested, fallback = engine._plan(messages, memories, "blend", None, 1)
-    lead_read = engine._reads_lead(layout, layout.fragments[0])
+    plan = engine.plan(messages, memories, reuse="blend")
+    layout = plan.layout
+    lead_read = reads_lead(engine, layout, layout.fragments[0])
     engine.clear_cache(fragments=False)
-    full = engine._prepare(layout, "none", ratio, requested, fallback, 1)
+    full = engine.prefill(replace(plan, reuse="none"))
     full_mass = last_token_attention(engine, full, layout.token_ids)
     del full
     engine.clear_cache(fragments=False)
-    blend = engine._prepare(layout, mode, ratio, requested, fallback, 1)
+    blend = engine.prefill(plan)
     blend_mass = last_token_attention(engine, blend, layout.token_ids)
     recomputed = blend.recomputed if blend.recomputed is not None else torch.zeros(layout.length, dtype=torch.bool)
     parts = part_slots(layout, instance, recomputed, lead_read)

@@ -32,7 +32,9 @@ def plot_results(results: Path) -> list[Path]:
         sizes = sorted(data["sizes"], key=int)
         figure, axis = plt.subplots(figsize=(6, 4))
         for mode in ("none", "prefix", "shift", "blend"):
-            axis.plot([int(s) for s in sizes], [data["sizes"][s]["median_s"][mode] for s in sizes], marker="o", label=mode)
+            axis.plot(
+                [int(s) for s in sizes], [data["sizes"][s]["median_s"][mode] for s in sizes], marker="o", label=mode
+            )
         axis.set(xlabel="memory tokens", ylabel="TTFT, median (s)", yscale="log", title="Time to first token")
         axis.legend()
         written.append(_save(figure, results / "ttft.png"))

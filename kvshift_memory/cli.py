@@ -68,7 +68,9 @@ def _chat(args: argparse.Namespace) -> int:
         args.path = str(kvshift_home() / "store")
     engine = KVShiftEngine.from_pretrained(args.model)
     with _open_store(args) as store:
-        agent = AgentMemory(engine, store, user_id=args.user, session_id=args.session, max_new_tokens=args.max_new_tokens)
+        agent = AgentMemory(
+            engine, store, user_id=args.user, session_id=args.session, max_new_tokens=args.max_new_tokens
+        )
         print(f"kvshift chat: user {args.user!r}, session {args.session!r}, store {store.tier.url}; /quit to leave")
         while True:
             try:
@@ -81,8 +83,8 @@ def _chat(args: argparse.Namespace) -> int:
             if line.strip() == "/quit":
                 return 0
             if line.strip() == "/window":
-                for user, reply in agent.window:
-                    print(f"  you: {user}\n  bot: {reply}")
+                for user, answer in agent.window:
+                    print(f"  you: {user}\n  bot: {answer}")
                 continue
             if line.startswith("/history "):
                 for version in agent.history(line.split(maxsplit=1)[1].strip()):
@@ -93,7 +95,9 @@ def _chat(args: argparse.Namespace) -> int:
                 print("bot> ", end="", flush=True)
                 for piece in stream:
                     print(piece, end="", flush=True)
-                reply, stats = stream.reply, stream.reply.stats
+                reply = stream.reply
+                assert reply is not None  # an exhausted stream has committed its reply
+                stats = reply.stats
                 print(
                     f"\n     [{reply.ttft_s * 1000:.0f} ms to first token; {stats.reused_tokens}/{stats.prompt_tokens} "
                     f"prompt tokens reused; {len(reply.recalled)} memories recalled; {reply.decision}]"
@@ -114,7 +118,9 @@ def _bench(args: argparse.Namespace) -> int:
 
     folder = Path(__file__).resolve().parents[1] / "benchmarks"
     if not (folder / "ttft.py").is_file():
-        raise KVShiftError("kvshift bench runs the benchmarks/ scripts of a source checkout; none is next to this install")
+        raise KVShiftError(
+            "kvshift bench runs the benchmarks/ scripts of a source checkout; none is next to this install"
+        )
     chosen = [] if args.plot_only else [name.strip() for name in args.only.split(",") if name.strip()]
     unknown = sorted(set(chosen) - set(BENCHMARKS))
     if unknown:
@@ -129,7 +135,9 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvshift", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="kvshift", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     commands = parser.add_subparsers(dest="command", required=True)
 
     def store_command(name: str, help_text: str, run) -> argparse.ArgumentParser:

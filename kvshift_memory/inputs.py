@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import itertools
 import unicodedata
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Literal
 
 from .exceptions import InvalidInputError
 
@@ -92,7 +93,9 @@ def check_messages(messages: Any) -> list[dict[str, Any]]:
     if isinstance(messages, str):
         messages = [{"role": "user", "content": messages}]
     if not isinstance(messages, Sequence) or isinstance(messages, (bytes, bytearray)):
-        raise InvalidInputError(f"messages must be a list of {{'role', 'content'}} dicts, got {type(messages).__name__}")
+        raise InvalidInputError(
+            f"messages must be a list of {{'role', 'content'}} dicts, got {type(messages).__name__}"
+        )
     if not messages:
         raise InvalidInputError("messages is empty: give at least one message")
     checked = []
@@ -107,7 +110,9 @@ def check_messages(messages: Any) -> list[dict[str, Any]]:
         allowed = _MESSAGE_KEYS[role]
         unknown = set(message) - allowed
         if unknown:
-            raise InvalidInputError(f"messages[{index}] has keys {sorted(map(str, unknown))}; a {role} message takes {sorted(allowed)}")
+            raise InvalidInputError(
+                f"messages[{index}] has keys {sorted(map(str, unknown))}; a {role} message takes {sorted(allowed)}"
+            )
         content = check_text(message["content"], f"messages[{index}]['content']", allow_empty=role != "user")
         entry: dict[str, Any] = {"role": role, "content": content}
         if message.get("memories"):
@@ -115,7 +120,9 @@ def check_messages(messages: Any) -> list[dict[str, Any]]:
             entry["memories"] = list(message["memories"])
             at = message.get("memories_at")
             if at is not None:
-                entry["memories_at"] = _check_offsets(at, len(entry["memories"]), len(content), f"messages[{index}]['memories_at']")
+                entry["memories_at"] = _check_offsets(
+                    at, len(entry["memories"]), len(content), f"messages[{index}]['memories_at']"
+                )
         if message.get("token_ids") is not None:
             entry["token_ids"] = _check_token_ids(message["token_ids"], f"messages[{index}]['token_ids']")
         checked.append(entry)
@@ -136,10 +143,11 @@ def _check_offsets(at: Any, count: int, length: int, what: str) -> list[int]:
         not isinstance(offsets, (list, tuple))
         or len(offsets) != count
         or not all(isinstance(o, int) and not isinstance(o, bool) and 0 <= o <= length for o in offsets)
-        or any(a > b for a, b in zip(offsets, offsets[1:]))
+        or any(a > b for a, b in itertools.pairwise(offsets))
     ):
         raise InvalidInputError(
-            f"{what} must be a character offset into the content (0..{length}), or one ascending offset per memory; got {at!r}"
+            f"{what} must be a character offset into the content (0..{length}), "
+            f"or one ascending offset per memory; got {at!r}"
         )
     return list(offsets)
 
@@ -171,7 +179,7 @@ def check_memories(memories: Any) -> list[str]:
     return texts
 
 
-def check_reuse(reuse: Any) -> str | None:
+def check_reuse(reuse: Any) -> Literal["none", "prefix", "blend"] | None:
     """``None`` (let the engine choose) or one of :data:`REUSE_MODES`."""
     if reuse is not None and reuse not in REUSE_MODES:
         raise InvalidInputError(f"reuse must be one of {REUSE_MODES} or None, got {reuse!r}")

@@ -1,4 +1,4 @@
-"""Span markers: how a memory travels through a framework's flat prompt text (DESIGN §4).
+"""Span markers: how a memory travels through a framework's flat prompt text (``docs/how-it-works.md``).
 
 ``⟦mem:ID@VERSION⟧text⟦/mem⟧`` says "this text is memory ID at VERSION; use its stored KV". The
 rules, which make markers safe to accept from any text (including a user's message):

@@ -9,7 +9,7 @@ import torch
 from conftest import TINY_CONFIGS, tiny_model
 
 from kvshift_memory import KVShiftEngine
-from kvshift_memory.engine.loading import model_fingerprint
+from kvshift_memory.engine.fingerprint import model_fingerprint
 from kvshift_memory.engine.packing import PackedLinear, pack_linear_layers
 
 MESSAGES = [{"role": "user", "content": "Where does Ana live, and what does she do?"}]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvshift_memory.engine.engine import builtin_encode_context
+from kvshift_memory.engine.settings import builtin_encode_context
 from kvshift_memory.engine.speakers import cast_speakers, speakers
 
 CONTEXT = "(3 March)\nMaya: Hey Tom! Tomorrow?\nTom: Sure, Maya.\nMaya: Great.\n"
@@ -28,7 +28,10 @@ def test_shared_names_stay_put():
     # the memory's own conversation: nothing to rename, and no two names swapped
     assert cast_speakers(CONTEXT, "Tom: hi\nMaya: hello") == CONTEXT
     assert cast_speakers(CONTEXT, "Tom: hi\nAnna: hello") == CONTEXT.replace("Maya", "Anna")
-    assert cast_speakers(CONTEXT, "Zed: hi\nMaya: hello") == "(3 March)\nMaya: Hey Zed! Tomorrow?\nZed: Sure, Maya.\nMaya: Great.\n"
+    assert (
+        cast_speakers(CONTEXT, "Zed: hi\nMaya: hello")
+        == "(3 March)\nMaya: Hey Zed! Tomorrow?\nZed: Sure, Maya.\nMaya: Great.\n"
+    )
     # more speakers than the context has: the first in alphabetical order take its places
     three = "Cy: a\nBo: b\nAl: c"
     assert cast_speakers(CONTEXT, three) == "(3 March)\nAl: Hey Bo! Tomorrow?\nBo: Sure, Al.\nAl: Great.\n"
@@ -47,7 +50,10 @@ def test_a_memory_without_speakers_leaves_the_context_as_it_is(memory):
 def test_names_are_text_not_patterns():
     hostile = "A.*: one\nB|C: two\n(?P<x>: three\nZ'oe: four\nAl-Amin: five"
     assert speakers(hostile) == ("Z'oe", "Al-Amin")
-    assert cast_speakers(CONTEXT, hostile) == "(3 March)\nAl-Amin: Hey Z'oe! Tomorrow?\nZ'oe: Sure, Al-Amin.\nAl-Amin: Great.\n"
+    assert (
+        cast_speakers(CONTEXT, hostile)
+        == "(3 March)\nAl-Amin: Hey Z'oe! Tomorrow?\nZ'oe: Sure, Al-Amin.\nAl-Amin: Great.\n"
+    )
 
 
 def test_the_builtin_context_has_two_speakers_to_recast():

@@ -62,7 +62,10 @@ def test_delete_and_gc_erase_everything_of_a_memory(make_store):
     assert store.get(gone.id, tenant="alice") is None
     assert [r.text for r in store.search("forget", tenant="alice", k=4)] == ["Keep me."]
     # tombstoned in its history until gc erases it
-    assert [(r.version, r.status) for r in store.history(gone.id, tenant="alice")] == [(1, "superseded"), (2, "deleted")]
+    assert [(r.version, r.status) for r in store.history(gone.id, tenant="alice")] == [
+        (1, "superseded"),
+        (2, "deleted"),
+    ]
     report = store.gc()
     assert report.erased_memories == 1
     with pytest.raises(MemoryNotFoundError):
@@ -149,7 +152,9 @@ def test_forged_markers_resolve_only_in_the_callers_namespace(make_store):
     assert len(resolved) == 1 and isinstance(resolved[0], MemoryRecord) and resolved[0].id == a.id
     assert resolve_markers(marker, store, tenant="alice", session_id="s2") == [a.text]
     # wrong hash (edited text), wrong version: plain text
-    assert resolve_markers(f"⟦mem:{a.id}@1⟧Alice's PIN is 0000.⟦/mem⟧", store, tenant="alice") == ["Alice's PIN is 0000."]
+    assert resolve_markers(f"⟦mem:{a.id}@1⟧Alice's PIN is 0000.⟦/mem⟧", store, tenant="alice") == [
+        "Alice's PIN is 0000."
+    ]
     assert resolve_markers(f"⟦mem:{a.id}@2⟧{a.text}⟦/mem⟧", store, tenant="alice") == [a.text]
 
 
@@ -367,10 +372,13 @@ def test_a_tampered_folder_runs_nothing_and_touches_nothing_outside(tmp_path):
     (record_key,) = store.tier.scan(f"r/alice/{poisoned.id}/1/")
     store.close()
     with sqlite3.connect(tmp_path / "s" / "kv" / "cache.db") as db:
-        db.execute("UPDATE Cache SET filename = ? WHERE key = ?", (os.path.relpath(outside, tmp_path / "s" / "kv"), blob_key))
+        db.execute(
+            "UPDATE Cache SET filename = ? WHERE key = ?", (os.path.relpath(outside, tmp_path / "s" / "kv"), blob_key)
+        )
         db.execute("UPDATE Cache SET mode = 4, value = ? WHERE key = ?", (pickle.dumps(Payload()), record_key))
         db.execute(
-            "INSERT INTO Cache (key, raw, store_time, expire_time, access_time, access_count, tag, size, mode, filename, value)"
+            "INSERT INTO Cache (key, raw, store_time, expire_time, access_time, access_count, tag, size, mode, "
+            "filename, value)"
             " VALUES (?, 0, 0, NULL, 0, 0, NULL, 0, 1, NULL, ?)",
             (pickle.dumps(Payload()), b"v"),
         )
@@ -392,7 +400,7 @@ def test_a_tampered_folder_runs_nothing_and_touches_nothing_outside(tmp_path):
 def test_gc_frees_what_killed_writers_left_and_keeps_writes_in_flight(make_store, monkeypatch):
     import json as json_module
 
-    from kvshift_memory.store import memory_store
+    from kvshift_memory.store import maintenance
 
     store = make_store()
     record = store.add("The budget is 50k.", tenant="alice")
@@ -416,7 +424,7 @@ def test_gc_frees_what_killed_writers_left_and_keeps_writes_in_flight(make_store
     assert any("b" * 32 in key for key in left)
     assert [h.text for h in store.history(record.id, tenant="alice")] == ["The budget is 50k.", "The budget is 70k."]
     assert store.get(record.id, tenant="alice").text == live.text == "The budget is 70k."
-    monkeypatch.setattr(memory_store, "_ORPHAN_GRACE_S", -1.0)
+    monkeypatch.setattr(maintenance, "ORPHAN_GRACE_S", -1.0)
     store.gc()
     assert not any("b" * 32 in key for key in store.tier.scan(f"r/alice/{record.id}/"))
     # a deleted memory's publication pointers go with everything else
@@ -467,5 +475,7 @@ def test_gc_running_beside_supersedes_loses_no_version(make_store):
         stop.set()
         collector.join()
     store.gc()
-    assert [r.text for r in store.history(record.id, tenant="alice")] == [f"Version {v} of the plan." for v in range(1, 41)]
+    assert [r.text for r in store.history(record.id, tenant="alice")] == [
+        f"Version {v} of the plan." for v in range(1, 41)
+    ]
     assert store.check().ok

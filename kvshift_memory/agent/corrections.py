@@ -14,9 +14,11 @@ __all__ = ["is_correction_cue"]
 
 # A bare "not" is everywhere ("I'm not sure"): a cue needs the shape of a replacement.
 _CUES = re.compile(
-    r"\b(?:not|isn't|aren't|wasn't|weren't|doesn't|don't)\b[^.?!]{0,80}?[,;]\s*(?:but|it(?:'s| is| was)|they(?:'re| are)|rather|now)\b"
+    r"\b(?:not|isn't|aren't|wasn't|weren't|doesn't|don't)\b[^.?!]{0,80}?[,;]\s*"
+    r"(?:but|it(?:'s| is| was)|they(?:'re| are)|rather|now)\b"
     r"|\bnot\b[^.?!,]{0,60}\bbut\b"
-    r"|\b(?:correction|no longer|changed to|instead of|rather than|I meant|I was wrong|that was wrong|has changed|have changed)\b"
+    r"|\b(?:correction|no longer|changed to|instead of|rather than|I meant|I was wrong|that was wrong"
+    r"|has changed|have changed)\b"
     r"|\bactually\b[^.?!]{0,40}\b(?:is|are|was|it's|not)\b",
     re.IGNORECASE,
 )

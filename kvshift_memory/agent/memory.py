@@ -26,225 +26,23 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import AsyncIterator, Iterator, Sequence
-from dataclasses import dataclass, field, replace
-from typing import Any
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import replace
+from typing import Any, Literal, overload
 
 from .. import inputs
 from ..exceptions import InvalidInputError, MemoryNotFoundError, SessionBusyError
+from ..protocols import Engine, Store
 from .corrections import is_correction_cue
-from .recall import archive, archived_text, forget_closest, last_sentence, recall
+from .recall import archive, archived_text, forget_closest, last_sentence, recall, similarity
+from .settings import AgentSettings
+from .turns import STREAM_END, Reply, ReplyStream, StreamFailure, Turn, TurnPlan
 from .writeback import Decision, WriteBackModel, explicit_request
 
 __all__ = ["AgentMemory", "AgentSettings", "Reply", "ReplyStream"]
 
 # template tokens a message costs around its content (`<|im_start|>user\n` ... `<|im_end|>\n`)
 _MESSAGE_OVERHEAD = 6
-
-
-@dataclass(frozen=True)
-class AgentSettings:
-    """Behaviour of an :class:`AgentMemory`.
-
-    :param system_prompt: the system message; ``None`` uses the engine's.
-    :param recall_k: memories recalled per turn at most.
-    :param recall_min_score: a memory less similar than this to the message is not recalled.
-    :param importance_weight: how much a memory's importance adds to its similarity when ranking.
-    :param session_weight: how much being from this session adds to a memory's similarity.
-    :param window_tokens: budget of the working window (turns and the memories recalled into them).
-    :param window_keep: share of the budget the window is cut back to when it passes it (several
-        turns leave at once, so the window shifts rarely).
-    :param max_new_tokens: default reply length bound.
-    :param reuse: ``"prefix"`` (default: exact reuse of the system prompt and the session's earlier
-        turns, recalled memories recomputed with the question, so answers are full recompute's),
-        ``"blend"`` (recalled memories' stored fragments shifted into place, a share of their tokens
-        recomputed: faster on long memories, and it changes some answers) or ``"none"`` (the
-        baseline). Chosen by answer retention against ``"none"`` first, then time to first token
-        (docs/benchmarks/writeback.md).
-    :param recompute_ratio: the blend's share of recalled fragment tokens recomputed (``None``: the
-        engine's default; 0 is shift only, which loses copied names and numbers).
-    :param correction_min_score: a correction supersedes the closest memory only when at least this
-        similar to it.
-    :param busy_timeout_s: how long a call waits for another call on the same session to finish.
-    :param write_back: ``False`` answers without remembering: no turn is archived or corrected
-        (questions asked of a memory, as a benchmark asks them); the window still works.
-    """
-
-    system_prompt: str | None = None
-    recall_k: int = 4
-    recall_min_score: float = 0.3
-    importance_weight: float = 0.1
-    session_weight: float = 0.05
-    window_tokens: int = 2048
-    window_keep: float = 0.6
-    max_new_tokens: int = 96
-    reuse: str = "prefix"
-    recompute_ratio: float | None = None
-    correction_min_score: float = 0.5
-    busy_timeout_s: float = 300.0
-    write_back: bool = True
-
-    def __post_init__(self) -> None:
-        if self.system_prompt is not None:
-            inputs.check_text(self.system_prompt, "system_prompt")
-        inputs.check_positive_int(self.recall_k, "recall_k")
-        inputs.check_positive_int(self.window_tokens, "window_tokens")
-        inputs.check_positive_int(self.max_new_tokens, "max_new_tokens")
-        inputs.check_ratio(self.window_keep, "window_keep")
-        inputs.check_ratio(self.importance_weight, "importance_weight")
-        inputs.check_ratio(self.session_weight, "session_weight")
-        for name in ("recall_min_score", "correction_min_score"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not -1.0 <= value <= 1.0:
-                raise InvalidInputError(f"{name} must be a number in [-1, 1], got {value!r}")
-        if self.reuse not in inputs.REUSE_MODES:
-            raise InvalidInputError(f"reuse must be one of {inputs.REUSE_MODES}, got {self.reuse!r}")
-        if self.recompute_ratio is not None:
-            inputs.check_ratio(self.recompute_ratio)
-        if (
-            isinstance(self.busy_timeout_s, bool)
-            or not isinstance(self.busy_timeout_s, (int, float))
-            or self.busy_timeout_s < 0
-        ):
-            raise InvalidInputError(f"busy_timeout_s must be a number >= 0, got {self.busy_timeout_s!r}")
-
-
-@dataclass
-class _Turn:
-    """One exchange in the working window."""
-
-    user: str
-    recalled: tuple[Any, ...]
-    tokens: int
-    reply: str = ""
-    reply_ids: list[int] | None = None
-    importance: float = 0.0
-    decision: Decision = "window"
-    archived: Any = None  # the memory record the user's message became, when archived
-    previous: str = ""  # what the message answered: archived with it when it is archived later
-
-    def messages(self) -> list[dict[str, Any]]:
-        user: dict[str, Any] = {"role": "user", "content": self.user}
-        if self.recalled:
-            user["memories"] = list(self.recalled)
-        assistant: dict[str, Any] = {"role": "assistant", "content": self.reply}
-        if self.reply_ids is not None:
-            assistant["token_ids"] = self.reply_ids
-        return [user, assistant]
-
-
-@dataclass
-class Reply:
-    """The answer to one :meth:`AgentMemory.chat` turn.
-
-    :param message: the user's message this answers.
-    :param text: the assistant's answer.
-    :param stats: the engine's :class:`~kvshift_memory.ReuseStats` for the turn (TTFT, reused,
-        recomputed and prefilled tokens, fragments hit and missed).
-    :param recalled: the memories recalled into this turn, most relevant last.
-    :param decision: the write-back decision, a :data:`~kvshift_memory.agent.writeback.Decision`:
-        ``"archive"``, ``"defer"``, ``"window"``, ``"forget"`` or ``"forget_ambiguous"``.
-    :param importance: the write-back classifier's importance of the turn.
-    :param archived: the memory the message was archived as (or the correction's new version).
-    :param corrected: the memory version this message superseded, when it was a correction.
-    :param forgotten: the memory this message asked to forget and that was deleted.
-    :param evicted_turns: turns that left the window before this one.
-    :param retrieval_s: seconds from the call until the engine started: corrections, the store
-        search and assembling the prompt (the engine's ``stats.ttft_s`` counts from there;
-        :attr:`ttft_s` is the sum).
-    :param finish_reason: ``"stop"``, ``"length"``, or ``"interrupted"`` (a stream closed early).
-    """
-
-    message: str
-    text: str
-    stats: Any
-    recalled: list[Any] = field(default_factory=list)
-    decision: Decision = "window"
-    importance: float = 0.0
-    archived: Any = None
-    corrected: Any = None
-    forgotten: Any = None
-    evicted_turns: int = 0
-    retrieval_s: float = 0.0
-    finish_reason: str = "stop"
-
-    @property
-    def ttft_s(self) -> float:
-        """Seconds from the call to the first token: retrieval plus the engine's TTFT."""
-        return self.retrieval_s + self.stats.ttft_s
-
-
-@dataclass
-class _Plan:
-    """A turn prepared but not committed: nothing in the agent's state has changed yet."""
-
-    message: str
-    recalled: list[Any]
-    corrected: Any
-    correction: Any
-    forget: tuple[Decision, Any] | None  # a request to forget: what it did, and the memory deleted
-    kept_turns: list[_Turn]
-    evicted: list[_Turn]
-    messages: list[dict[str, Any]]
-    retrieval_s: float
-
-
-_STREAM_END = object()
-
-
-@dataclass(frozen=True)
-class _StreamFailure:
-    error: BaseException
-
-
-class ReplyStream(Iterator[str]):
-    """Text pieces of a streamed turn; :attr:`reply` holds the :class:`Reply` once it has ended.
-
-    The session stays busy until the stream is exhausted or closed (closing commits the turn with
-    the text produced so far).
-    """
-
-    def __init__(self, memory: AgentMemory, plan: _Plan, steps: Any) -> None:
-        self._memory, self._plan, self._steps = memory, plan, steps
-        self._pieces: list[str] = []
-        self.reply: Reply | None = None
-
-    def __iter__(self) -> ReplyStream:
-        return self
-
-    def __next__(self) -> str:
-        if self.reply is not None:
-            raise StopIteration
-        try:
-            piece = next(self._steps)
-        except StopIteration:
-            self._end()
-            raise
-        except BaseException:
-            self._memory._release()
-            self.reply = None
-            raise
-        self._pieces.append(piece)
-        return piece
-
-    def close(self) -> None:
-        """Stop generating and commit the turn with what was said so far."""
-        if self.reply is None:
-            self._steps.close()
-            self._end()
-
-    def _end(self) -> None:
-        try:
-            self.reply = self._memory._commit(self._plan, self._steps.result, "".join(self._pieces), self._steps.stats)
-        finally:
-            self._memory._release()
-
-    def __del__(self) -> None:  # an abandoned stream must not leave its session busy forever
-        if getattr(self, "reply", 1) is None:
-            try:
-                self.close()
-            except Exception:
-                pass
 
 
 class AgentMemory:
@@ -264,8 +62,8 @@ class AgentMemory:
 
     def __init__(
         self,
-        engine: Any,
-        store: Any,
+        engine: Engine,
+        store: Store,
         *,
         user_id: str,
         session_id: str,
@@ -282,7 +80,7 @@ class AgentMemory:
         except TypeError as exc:
             raise InvalidInputError(f"unknown AgentMemory setting: {exc}") from None
         self.writeback = writeback or WriteBackModel.bundled()
-        self._window: list[_Turn] = []
+        self._window: list[Turn] = []
         self._previous = ""  # the last turn's text (a reply, or an observed turn): a write-back feature
         self._lock = threading.Lock()
         self._stream_thread: int | None = None
@@ -354,7 +152,8 @@ class AgentMemory:
                 _, forgotten = forget_closest(self.store, text, user_id=self.user_id)
             if forgotten is None:
                 raise MemoryNotFoundError(
-                    f"no stored memory is clearly the one meant by {text[:80]!r} (none close enough, or two equally close); nothing was deleted"
+                    f"no stored memory is clearly the one meant by {text[:80]!r} "
+                    "(none close enough, or two equally close); nothing was deleted"
                 )
             self._window = _forgetting(self._window, forgotten)
             return forgotten
@@ -418,6 +217,26 @@ class AgentMemory:
 
     # ------------------------------------------------------------------ the turn
 
+    @overload
+    def chat(
+        self,
+        message: str,
+        *,
+        stream: Literal[False] = False,
+        max_new_tokens: int | None = None,
+        reuse: str | None = None,
+    ) -> Reply: ...
+
+    @overload
+    def chat(
+        self, message: str, *, stream: Literal[True], max_new_tokens: int | None = None, reuse: str | None = None
+    ) -> ReplyStream: ...
+
+    @overload
+    def chat(
+        self, message: str, *, stream: bool, max_new_tokens: int | None = None, reuse: str | None = None
+    ) -> Reply | ReplyStream: ...
+
     def chat(
         self,
         message: str,
@@ -458,11 +277,12 @@ class AgentMemory:
             return reply_stream
         for _ in reply_stream:
             pass
+        assert reply_stream.reply is not None  # an exhausted stream has committed its reply
         return reply_stream.reply
 
     async def achat(self, message: str, *, max_new_tokens: int | None = None, reuse: str | None = None) -> Reply:
         """:meth:`chat`, run in a worker thread so the event loop keeps running."""
-        return await asyncio.to_thread(self.chat, message, max_new_tokens=max_new_tokens, reuse=reuse)
+        return await asyncio.to_thread(lambda: self.chat(message, max_new_tokens=max_new_tokens, reuse=reuse))
 
     async def astream(
         self, message: str, *, max_new_tokens: int | None = None, reuse: str | None = None
@@ -476,7 +296,7 @@ class AgentMemory:
         ``busy_timeout_s``.
         """
         reply_stream = await asyncio.to_thread(
-            self.chat, message, stream=True, max_new_tokens=max_new_tokens, reuse=reuse
+            lambda: self.chat(message, stream=True, max_new_tokens=max_new_tokens, reuse=reuse)
         )
         self._stream_thread = None  # driven by the worker below, not by the thread that opened it
         loop = asyncio.get_running_loop()
@@ -499,18 +319,18 @@ class AgentMemory:
                         break
                     deliver(piece)
             except BaseException as exc:  # the stream released the session; the reader re-raises it
-                deliver(_StreamFailure(exc))
+                deliver(StreamFailure(exc))
                 return
-            deliver(_STREAM_END)
+            deliver(STREAM_END)
 
         worker = threading.Thread(target=drive, name=f"kvshift-stream-{self.session_id}", daemon=True)
         worker.start()
         try:
             while True:
                 item = await pieces.get()
-                if item is _STREAM_END:
+                if item is STREAM_END:
                     break
-                if isinstance(item, _StreamFailure):
+                if isinstance(item, StreamFailure):
                     raise item.error
                 yield item
         finally:
@@ -522,7 +342,8 @@ class AgentMemory:
     def _acquire(self, stream: bool) -> None:
         if self._stream_thread == threading.get_ident():
             raise SessionBusyError(
-                f"session {self.session_id!r} has a streamed reply still open in this thread; read it to the end or close it first"
+                f"session {self.session_id!r} has a streamed reply still open in this thread; "
+                "read it to the end or close it first"
             )
         if not self._lock.acquire(timeout=self.settings.busy_timeout_s):
             raise SessionBusyError(
@@ -544,7 +365,7 @@ class AgentMemory:
         # recalled memories go into user messages, never where a lead fragment is read
         self.engine.warm(list(records), self._system_messages() or None, lead_fragments=False, namespace=self.user_id)
 
-    def _visible(self, turns: Sequence[_Turn]) -> set[tuple[str, int]]:
+    def _visible(self, turns: Sequence[Turn]) -> set[tuple[str, int]]:
         """(id, version) of the memories whose text the window already shows."""
         seen = {(r.id, r.version) for turn in turns for r in turn.recalled}
         seen.update((turn.archived.id, turn.archived.version) for turn in turns if turn.archived is not None)
@@ -582,7 +403,7 @@ class AgentMemory:
             self._warm([archived])
         return importance, decision, archived
 
-    def _archive_deferred(self, turn: _Turn) -> Any:
+    def _archive_deferred(self, turn: Turn) -> Any:
         """Archive a turn that waited in the window (it is leaving it, or the session is closing)."""
         turn.archived = self.store.add(
             archived_text(turn.user, turn.previous),
@@ -626,7 +447,7 @@ class AgentMemory:
         if require_cue and not (self.settings.write_back and is_correction_cue(message)):
             return None
         hits = self.store.search(message, tenant=self.user_id, k=1)
-        if hits and hits[0].score >= self.settings.correction_min_score:
+        if hits and similarity(hits[0]) >= self.settings.correction_min_score:
             return hits[0]
         return None
 
@@ -650,7 +471,7 @@ class AgentMemory:
 
         return count(text) + sum(count(r.text) + 1 for r in recalled) + (2 + _MESSAGE_OVERHEAD if recalled else 0)
 
-    def _plan(self, message: str, max_new_tokens: int) -> _Plan:
+    def _plan(self, message: str, max_new_tokens: int) -> TurnPlan:
         started = time.perf_counter()
         forget = self._apply_forget(message)
         corrected, correction = (None, None) if forget else self._apply_correction(message)
@@ -661,7 +482,7 @@ class AgentMemory:
         recalled = self._recall(message, exclude)
 
         needed = self._tokens(message, recalled) + _MESSAGE_OVERHEAD + max_new_tokens
-        evicted: list[_Turn] = []
+        evicted: list[Turn] = []
         budget = self.settings.window_tokens
         if sum(t.tokens for t in turns) + needed > budget:
             target = int(budget * self.settings.window_keep)
@@ -679,9 +500,9 @@ class AgentMemory:
             user["memories"] = recalled
         messages.append(user)
         retrieval_s = time.perf_counter() - started
-        return _Plan(message, recalled, corrected, correction, forget, turns, evicted, messages, retrieval_s)
+        return TurnPlan(message, recalled, corrected, correction, forget, turns, evicted, messages, retrieval_s)
 
-    def _commit(self, plan: _Plan, result: Any, text: str, stats: Any) -> Reply:
+    def _commit(self, plan: TurnPlan, result: Any, text: str, stats: Any) -> Reply:
         """Write the finished turn back: window, archive, stats. Runs once per turn, under the lock."""
         # what leaves the window is archived, not dropped, unless it carried nothing
         for evicted in plan.evicted:
@@ -689,7 +510,7 @@ class AgentMemory:
                 self._archive_deferred(evicted)
         previous = self._previous
         importance, decision, archived = self._write_back(plan.message, plan.correction, plan.forget, window=True)
-        turn = _Turn(
+        turn = Turn(
             user=plan.message,
             recalled=tuple(plan.recalled),
             tokens=self._tokens(plan.message, plan.recalled) + _MESSAGE_OVERHEAD,
@@ -719,12 +540,12 @@ class AgentMemory:
         )
 
 
-def _without(turn: _Turn, record: Any) -> _Turn:
+def _without(turn: Turn, record: Any) -> Turn:
     """``turn`` without ``record`` (any version of it) among its recalled memories."""
     kept = tuple(r for r in turn.recalled if r.id != record.id)
     return turn if len(kept) == len(turn.recalled) else replace(turn, recalled=kept)
 
 
-def _forgetting(turns: Sequence[_Turn], record: Any) -> list[_Turn]:
+def _forgetting(turns: Sequence[Turn], record: Any) -> list[Turn]:
     """The window without ``record``: neither the turn that stated it nor a memory recalled into a turn."""
     return [_without(turn, record) for turn in turns if turn.archived is None or turn.archived.id != record.id]

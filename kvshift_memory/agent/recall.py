@@ -12,7 +12,9 @@ from collections.abc import Collection
 from typing import Any
 
 from ..exceptions import VersionConflictError
+from ..protocols import Store
 from ..store.memory_store import MAX_SEARCH_K
+from ..store.records import MemoryRecord
 from .writeback import Decision, WriteBackModel, explicit_request, forget_subject, is_question_only
 
 __all__ = [
@@ -24,6 +26,7 @@ __all__ = [
     "forget_closest",
     "last_sentence",
     "recall",
+    "similarity",
 ]
 
 # a turn longer than this is a document pasted in, not something said: the application stores
@@ -42,8 +45,13 @@ _QUESTION_CONTEXT_CHARS = 400
 _SENTENCE_END = re.compile(r"(?<=[.!?])\s+")
 
 
+def similarity(hit: MemoryRecord) -> float:
+    """A search hit's score (a record that came from no search ranks below every hit)."""
+    return hit.score if hit.score is not None else float("-inf")
+
+
 def recall(
-    store: Any,
+    store: Store,
     query: str,
     *,
     user_id: str,
@@ -67,11 +75,11 @@ def recall(
     if not query.strip():
         return []
     hits = store.search(query, tenant=user_id, k=min(k + len(exclude) + _RECALL_SPARE, MAX_SEARCH_K))
-    candidates = [hit for hit in hits if hit.score >= min_score and (hit.id, hit.version) not in exclude]
+    candidates = [hit for hit in hits if similarity(hit) >= min_score and (hit.id, hit.version) not in exclude]
 
-    def rank(record: Any) -> float:
+    def rank(record: MemoryRecord) -> float:
         same_session = session_weight if session_id is not None and record.session_id == session_id else 0.0
-        return record.score + importance_weight * record.importance_score + same_session
+        return similarity(record) + importance_weight * record.importance_score + same_session
 
     return sorted(candidates, key=rank, reverse=True)[:k][::-1]
 
@@ -100,7 +108,7 @@ def last_sentence(reply: str) -> str:
 
 
 def forget_closest(
-    store: Any,
+    store: Store,
     request: str,
     *,
     user_id: str,
@@ -120,8 +128,8 @@ def forget_closest(
     :raises StoreError: the store cannot be searched or written.
     """
     subject = forget_subject(request) or request
-    hits = [hit for hit in store.search(subject, tenant=user_id, k=2) if hit.score >= min_score]
-    if not hits or (len(hits) > 1 and hits[0].score - hits[1].score < margin):
+    hits = [hit for hit in store.search(subject, tenant=user_id, k=2) if similarity(hit) >= min_score]
+    if not hits or (len(hits) > 1 and similarity(hits[0]) - similarity(hits[1]) < margin):
         return "forget_ambiguous", None
     try:
         deleted = store.delete(hits[0].id, tenant=user_id)
@@ -132,7 +140,7 @@ def forget_closest(
 
 def archive(
     rule: WriteBackModel,
-    store: Any,
+    store: Store,
     text: str,
     previous: str,
     *,

@@ -92,7 +92,8 @@ _FIRST_PERSON = re.compile(r"\b(?:I|I'm|I've|I'd|I'll|my|me|mine|we|we're|our|us
 
 _REMEMBER = re.compile(
     r"^(?:(?:hey|ok|okay|so|and|also|btw|oh)[,!]?\s+)*(?:(?:please|pls|can you|could you|would you)\s+)?"
-    r"(?:remember|don'?t forget|do not forget|never forget|note that|note:|make a note|take note|keep in mind|for the record)\b",
+    r"(?:remember|don'?t forget|do not forget|never forget|note that|note:|make a note|take note|keep in mind"
+    r"|for the record)\b",
     re.IGNORECASE,
 )
 _FORGET = re.compile(
@@ -102,7 +103,8 @@ _FORGET = re.compile(
 )
 _SUBJECT_LEAD = re.compile(
     r"^(?:(?:what|everything|anything|all)\s+(?:that\s+)?(?:I|we)\s+(?:said|told you|mentioned|wrote|shared)\s+"
-    r"(?:to you\s+)?(?:about|regarding|on)?\s*|about\s+|the (?:memory|note|fact|thing)s?\s+(?:about|of|that)\s+|that\s+)",
+    r"(?:to you\s+)?(?:about|regarding|on)?\s*|about\s+|the (?:memory|note|fact|thing)s?\s+(?:about|of|that)\s+"
+    r"|that\s+)",
     re.IGNORECASE,
 )
 

@@ -3,8 +3,8 @@
 Every generation allocates a fresh K/V cache (about 100 MB at 2k tokens for the bundled model),
 one buffer per layer and kind, and frees caches the prefix pool lets go. glibc's malloc hands
 freed blocks of this size back to the kernel (``munmap``, or trimming the heap top), so the next
-cache lands on fresh pages, and every first write to a page is a page fault: measured on the
-2-core VM, copying a cached 2k-token prefix took 17-27 ms in most generations instead of 5-9 ms.
+cache lands on fresh pages, and every first write to a page is a page fault, the copy of a cached
+prefix included (``docs/benchmarks/ttft.md``).
 Raising the mmap threshold and the trim threshold keeps the blocks in the process for reuse, as
 jemalloc or tcmalloc would. It is process-wide, so it is a setting
 (``EngineSettings.keep_freed_memory``), applied once.

@@ -147,14 +147,19 @@ def _sdpa_attention(query, key, value, slots, window, step, scaling):
     outs = []
     for chunk in _plan(slots, window, step, query.dtype):
         if len(chunk.ranges) == 1:
-            (lo, hi), = chunk.ranges
+            ((lo, hi),) = chunk.ranges
             chunk_keys, chunk_values = key[:, :, lo:hi], value[:, :, lo:hi]
         else:  # two slices are cheaper to join than a gather
             chunk_keys = torch.cat([key[:, :, a:b] for a, b in chunk.ranges], dim=2)
             chunk_values = torch.cat([value[:, :, a:b] for a, b in chunk.ranges], dim=2)
         outs.append(
             F.scaled_dot_product_attention(
-                query[:, :, chunk.start : chunk.end], chunk_keys, chunk_values, attn_mask=chunk.mask, scale=scaling, enable_gqa=True
+                query[:, :, chunk.start : chunk.end],
+                chunk_keys,
+                chunk_values,
+                attn_mask=chunk.mask,
+                scale=scaling,
+                enable_gqa=True,
             )
         )
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)

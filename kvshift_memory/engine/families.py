@@ -8,10 +8,14 @@ engine reports the reason in the stats instead of shifting approximately.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ..kv.rope import RotaryLayer
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 __all__ = ["PositionScheme", "SHIFTABLE_FAMILIES", "STATIC_ROPE_TYPES", "position_scheme"]
 
@@ -61,12 +65,14 @@ def _rope_types(config) -> set[str]:
     return {params.get("rope_type", "default")} if params else {"default"}
 
 
-def _attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
-    modules = [m for m in model.modules() if type(m).__name__.endswith("Attention") and hasattr(m, "layer_idx")]
-    return sorted(modules, key=lambda m: m.layer_idx)
+def _attention_modules(model: PreTrainedModel) -> list[torch.nn.Module]:
+    modules: list[Any] = [
+        m for m in model.modules() if type(m).__name__.endswith("Attention") and hasattr(m, "layer_idx")
+    ]
+    return sorted(modules, key=lambda m: int(m.layer_idx))
 
 
-def _min_window(model: torch.nn.Module, config) -> int | None:
+def _min_window(model: PreTrainedModel, config) -> int | None:
     windows = []
     for module in _attention_modules(model):
         window = getattr(module, "sliding_window", getattr(config, "sliding_window", None))
@@ -75,7 +81,7 @@ def _min_window(model: torch.nn.Module, config) -> int | None:
     return min(windows) if windows else None
 
 
-def _rotary_layers(model: torch.nn.Module, config) -> tuple[RotaryLayer, ...]:
+def _rotary_layers(model: PreTrainedModel, config) -> tuple[RotaryLayer, ...]:
     rotary = getattr(model.base_model, "rotary_emb", None)
     if rotary is None:
         raise LookupError("no rotary embedding module")
@@ -88,7 +94,7 @@ def _rotary_layers(model: torch.nn.Module, config) -> tuple[RotaryLayer, ...]:
     return tuple(shared[layer_type] for layer_type in layer_types)
 
 
-def position_scheme(model: torch.nn.Module) -> PositionScheme:
+def position_scheme(model: PreTrainedModel) -> PositionScheme:
     """Inspect ``model`` and say whether, and how, its cached keys can be shifted."""
     config = model.config.get_text_config(decoder=True)
     family = config.model_type

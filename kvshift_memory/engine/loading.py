@@ -18,10 +18,15 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ..exceptions import ModelLoadError, ModelNotFoundError
+from .fingerprint import model_fingerprint
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 __all__ = [
     "BUNDLED_MODEL_PACKAGE",
@@ -29,7 +34,6 @@ __all__ = [
     "bundled_gguf_path",
     "kvshift_home",
     "load_model",
-    "model_fingerprint",
     "resolve_dtype",
 ]
 
@@ -43,7 +47,7 @@ _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch
 class LoadedModel:
     """A model and tokenizer ready for the engine, with the fingerprint that keys its fragments."""
 
-    model: torch.nn.Module
+    model: PreTrainedModel
     tokenizer: object
     source: str
     fingerprint: str
@@ -104,7 +108,8 @@ def _convert_gguf(gguf: Path, target: Path) -> None:
     work = Path(tempfile.mkdtemp(prefix=f"{target.name}.tmp-", dir=target.parent))
     try:
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        # typed loosely: the quantiser record below is set on attributes the stubs do not declare
+        model: Any = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
         # transformers refuses to save a model it believes GGUF-quantised; the weights are already
         # dequantised to fp32, so dropping the quantiser's record is all it takes.
         model.hf_quantizer = None
@@ -147,38 +152,6 @@ def bundled_model_folder() -> Path:
     return target
 
 
-def weight_sample(tensor: torch.Tensor) -> torch.Tensor:
-    """A strided subset of about 4096 of ``tensor``'s values, as float64 (what the fingerprint digests)."""
-    flat = tensor.detach().reshape(-1)
-    return flat[:: max(1, flat.numel() // 4096)].to(torch.float64).cpu()
-
-
-def model_fingerprint(model: torch.nn.Module, tokenizer) -> str:
-    """A digest of what decides a fragment's K/V: config, weights and tokenizer vocabulary.
-
-    Weights are digested by sampling every tensor's name, shape, dtype and a strided subset of
-    its values: a different checkpoint changes it, while digesting every byte would cost seconds.
-    A layer packed for oneDNN (:class:`~kvshift_memory.engine.packing.PackedLinear`) contributes
-    the sample taken from its dense weight when it was packed, so packing leaves the digest as it was.
-    """
-    from .packing import PackedLinear
-
-    with torch.no_grad():
-        samples = {name: (tuple(t.shape), t.dtype, weight_sample(t)) for name, t in model.state_dict().items()}
-        for name, module in model.named_modules():
-            if isinstance(module, PackedLinear):
-                samples[f"{name}.weight" if name else "weight"] = module.weight_digest
-    sha = hashlib.sha256()
-    sha.update(model.config.to_json_string(use_diff=False).encode())
-    for name, (shape, dtype, sample) in sorted(samples.items(), key=lambda item: item[0]):
-        sha.update(f"{name}:{shape}:{dtype}".encode())
-        sha.update(sample.numpy().tobytes())
-    vocab = tokenizer.get_vocab()
-    sha.update(json.dumps(sorted(vocab.items()), ensure_ascii=False).encode())
-    sha.update(str(getattr(tokenizer, "chat_template", "")).encode())
-    return sha.hexdigest()[:32]
-
-
 def load_model(name_or_path: str | os.PathLike | None, dtype: torch.dtype) -> LoadedModel:
     """Load a causal LM and its tokenizer from a local folder or a hub id (from the local hub cache).
 
@@ -188,6 +161,7 @@ def load_model(name_or_path: str | os.PathLike | None, dtype: torch.dtype) -> Lo
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    source: str | os.PathLike[str]
     if name_or_path is None:
         source = bundled_model_folder()
     else:

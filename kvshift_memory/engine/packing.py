@@ -2,10 +2,8 @@
 
 On CPU, ``torch.nn.Linear`` calls MKL's GEMM, which lays the weight out again for its kernels on
 every call. The passes reuse leaves to the engine are short (a question of 20-40 tokens, one
-token per decoding step), and there that repacking is a large share of the work: on the 2-core VM,
-the bundled model decoded 13.5 tokens/s with ``nn.Linear`` and 21.7 with weights packed once, and
-prefilled a 26-token question over a cached 2k-token prefix in 136 ms instead of 183 ms
-(``benchmarks/ttft.py --no-pack-weights``, README). oneDNN ships inside every CPU build of
+token per decoding step), and there that repacking is a large share of the work
+(``benchmarks/ttft.py --no-pack-weights``, ``docs/benchmarks/ttft.md``). oneDNN ships inside every CPU build of
 PyTorch; its linear kernel is reached through the ``torch.ops.mkldnn`` operators that PyTorch's
 own compiler uses.
 
@@ -21,7 +19,7 @@ import logging
 import torch
 import torch.nn.functional as F
 
-from .loading import weight_sample
+from .fingerprint import weight_sample
 
 __all__ = ["PackedLinear", "pack_linear_layers"]
 
@@ -36,7 +34,7 @@ class PackedLinear(torch.nn.Module):
 
     The dense weight is not kept, so the model's ``state_dict`` no longer holds it (the bias stays
     in it); an engine whose model must be saved is built with ``EngineSettings(pack_weights=False)``.
-    ``weight_digest`` keeps what :func:`~kvshift_memory.engine.loading.model_fingerprint` samples
+    ``weight_digest`` keeps what :func:`~kvshift_memory.engine.fingerprint.model_fingerprint` samples
     of the dense weight.
     """
 

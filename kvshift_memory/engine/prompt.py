@@ -227,15 +227,15 @@ def build_layout(
                 content = sentinel(f"{memory_header}\n") + placed + sentinel(f"\n{content}")
             else:  # where the caller's text had them, introduced by the caller's own words
                 pieces, done = [], 0
-                for text, at in zip(message["memories"], offsets):
+                for text, at in zip(message["memories"], offsets, strict=True):
                     pieces += [sentinel(content[done:at]), sentinel(f"{text}\n", True)]
                     done = at
                 content = "".join(pieces) + sentinel(content[done:])
         else:
-            ids = message.get("token_ids")
-            if ids is not None and not _usable_reply_ids(tokens.tokenizer, ids, content):
-                ids = None  # tokenise the text instead
-            content = sentinel(content, ids=ids)
+            reply_ids = message.get("token_ids")
+            if reply_ids is not None and not _usable_reply_ids(tokens.tokenizer, reply_ids, content):
+                reply_ids = None  # tokenise the text instead
+            content = sentinel(content, ids=reply_ids)
         rendered_messages.append({"role": message["role"], "content": content})
     text = _render(tokens.tokenizer, rendered_messages)
 
@@ -247,7 +247,7 @@ def build_layout(
         key = f"\x00{piece}\x00"
         if key in contents:
             content, is_memory, given = contents[key]
-            piece_ids = given if given is not None else tokens.encode(content)
+            piece_ids: Sequence[int] = given if given is not None else tokens.encode(content)
             if is_memory:
                 spans.append(FragmentSpan(len(ids), len(ids) + len(piece_ids), next(next_memory), tuple(piece_ids)))
         elif piece:

@@ -5,7 +5,7 @@ between two made-up people; a memory from a conversation between two others, enc
 reads as a new pair of people breaking into that chat, and the shifted memory pulls the answer
 towards continuing a transcript ("Tim: Thanks! ...") instead of answering. The same context with
 its speakers renamed to the memory's own was as good as a stretch of the memory's own conversation
-(``benchmarks/fidelity.py``, the README's fidelity section).
+(``docs/benchmarks/fidelity.md``).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ def cast_speakers(context: str, memory: str) -> str:
     the same context, whoever speaks first in it. The context is left as written when some of its
     speakers would find no partner (a memory of one turn, a context of two people): its people are
     either all the memory's or all its own, never a made-up one talking with a real one, which
-    measured worse than either (the README's fidelity section).
+    measured worse than either (``docs/benchmarks/fidelity.md``).
     """
     return _cast(context, tuple(sorted(speakers(memory))))
 
@@ -47,6 +47,6 @@ def _cast(context: str, cast: tuple[str, ...]) -> str:
     ours = [name for name in cast if name not in present]
     if not theirs or len(ours) < len(theirs):
         return context
-    renamed = dict(zip(theirs, ours))
+    renamed = dict(zip(theirs, ours, strict=False))  # the memory may have more speakers than the context
     pattern = re.compile(r"\b(" + "|".join(map(re.escape, renamed)) + r")\b")
     return pattern.sub(lambda match: renamed[match.group(1)], context)

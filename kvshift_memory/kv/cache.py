@@ -83,12 +83,18 @@ class _ShiftLayer(CacheLayerMixin):
         self.device = key_states.device
         self.is_initialized = True
 
+    def buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The key and value buffers (allocated by then: the base class types them optional)."""
+        assert self.keys is not None and self.values is not None, "layer used before its first write"
+        return self.keys, self.values
+
     def write(self, start: int, keys: torch.Tensor, values: torch.Tensor) -> None:
         if not self.is_initialized:
             self.lazy_initialization(keys, values)
         end = start + keys.shape[-2]
-        self.keys[..., start:end, :].copy_(keys)
-        self.values[..., start:end, :].copy_(values)
+        own_keys, own_values = self.buffers()
+        own_keys[..., start:end, :].copy_(keys)
+        own_values[..., start:end, :].copy_(values)
         self.length = max(self.length, end)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
@@ -97,15 +103,16 @@ class _ShiftLayer(CacheLayerMixin):
             raise RuntimeError("ShiftCache used outside KVShiftEngine's forward step")
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        keys, values = self.buffers()
         if step.contiguous:
             end = step.first_slot + key_states.shape[-2]
-            self.keys[..., step.first_slot:end, :].copy_(key_states)
-            self.values[..., step.first_slot:end, :].copy_(value_states)
+            keys[..., step.first_slot : end, :].copy_(key_states)
+            values[..., step.first_slot : end, :].copy_(value_states)
         else:
-            self.keys.index_copy_(2, step.slots, key_states)
-            self.values.index_copy_(2, step.slots, value_states)
+            keys.index_copy_(2, step.slots, key_states)
+            values.index_copy_(2, step.slots, value_states)
         self.length = max(self.length, int(step.slots[-1]) + 1)
-        return self.keys[..., : step.key_length, :], self.values[..., : step.key_length, :]
+        return keys[..., : step.key_length, :], values[..., : step.key_length, :]
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.length + query_length, 0
@@ -125,30 +132,35 @@ class ShiftCache(Cache):
     """
 
     def __init__(self, num_layers: int, capacity: int) -> None:
-        super().__init__(layers=[_ShiftLayer(capacity) for _ in range(num_layers)])
+        self._shift_layers = [_ShiftLayer(capacity) for _ in range(num_layers)]
+        super().__init__(layers=list(self._shift_layers))
         self.capacity = capacity
 
     def write(self, layer: int, start: int, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Place ``keys``/``values`` (``[1, heads, n, dim]``) of ``layer`` at slots ``[start, start + n)``."""
-        self.layers[layer].write(start, keys, values)
+        self._shift_layers[layer].write(start, keys, values)
 
     def buffer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer's whole key and value buffers (views; writing into them writes the cache)."""
-        return self.layers[layer].keys, self.layers[layer].values
+        return self._shift_layers[layer].buffers()
 
     def reserve(self, layer: int, like_keys: torch.Tensor, like_values: torch.Tensor) -> None:
         """Allocate the layer's buffers with the head layout of the given tensors, if not done yet."""
-        if not self.layers[layer].is_initialized:
-            self.layers[layer].lazy_initialization(like_keys, like_values)
+        if not self._shift_layers[layer].is_initialized:
+            self._shift_layers[layer].lazy_initialization(like_keys, like_values)
 
     def mark_filled(self, end: int) -> None:
         """Record that slots ``[0, end)`` of every layer now hold valid KV (after direct buffer writes)."""
-        for layer in self.layers:
+        for layer in self._shift_layers:
             layer.length = max(layer.length, end)
 
     def view(self, start: int, end: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Views of slots ``[start, end)`` of every layer: ``[(keys, values), ...]``, each ``[1, heads, n, dim]``."""
-        return [(layer.keys[..., start:end, :], layer.values[..., start:end, :]) for layer in self.layers]
+        views = []
+        for layer in self._shift_layers:
+            keys, values = layer.buffers()
+            views.append((keys[..., start:end, :], values[..., start:end, :]))
+        return views
 
     @contextlib.contextmanager
     def stepping(self, step: ForwardStep) -> Iterator[ForwardStep]:

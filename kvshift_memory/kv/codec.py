@@ -175,7 +175,9 @@ def _decode(tensors, spec, expected, dtype) -> tuple[list[torch.Tensor], list[to
         return tensor
 
     def check(tensor: torch.Tensor, shape: tuple, name: str) -> None:
-        if tensor.dim() != len(shape) or any(want is not None and got != want for got, want in zip(tensor.shape, shape)):
+        if tensor.dim() != len(shape) or any(
+            want is not None and got != want for got, want in zip(tensor.shape, shape, strict=True)
+        ):
             raise CorruptFragmentError(f"fragment tensor {name!r} has shape {tuple(tensor.shape)}, expected {shape}")
 
     if spec.name in ("fp32", "fp16"):
@@ -205,7 +207,9 @@ def _decode(tensors, spec, expected, dtype) -> tuple[list[torch.Tensor], list[to
     ks, vs = get("ks", torch.float16), get("vs", torch.float16)
     check(ks, (layers, heads, groups, 1, dim), "ks")
     check(vs, (layers, heads, n, dim // value_group, 1), "vs")
-    k = torch.nn.functional.pad(_unpack4(packed_k), (0, 0, 0, groups * group - n)).view(layers, heads, groups, group, dim)
+    k = torch.nn.functional.pad(_unpack4(packed_k), (0, 0, 0, groups * group - n)).view(
+        layers, heads, groups, group, dim
+    )
     keys = [layer.view(heads, groups * group, dim)[:, :n] for layer in _scaled(k, ks, dtype)]
     v = _unpack4(packed_v).view(layers, heads, n, dim // value_group, value_group)
     return keys, [layer.view(heads, n, dim) for layer in _scaled(v, vs, dtype)]
@@ -223,7 +227,9 @@ def _scaled(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> list[to
     out: list[torch.Tensor] = []
     for start in range(0, q.shape[0], step):
         chunk = q[start : start + step]
-        out.extend(torch.mul(chunk, scale[start : start + step].to(dtype), out=torch.empty(chunk.shape, dtype=dtype)).unbind(0))
+        out.extend(
+            torch.mul(chunk, scale[start : start + step].to(dtype), out=torch.empty(chunk.shape, dtype=dtype)).unbind(0)
+        )
     return out
 
 

@@ -30,7 +30,9 @@ class RotaryLayer:
         self.inv_freq = inv_freq.detach().to(torch.float64).cpu()
         self.rotary_dim = 2 * self.inv_freq.numel()
 
-    def cos_sin(self, deltas: int | torch.Tensor, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    def cos_sin(
+        self, deltas: int | torch.Tensor, dtype: torch.dtype, device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Cosine and sine of rotations by ``deltas`` positions (an int, or one per token: ``[n, half]``)."""
         angles = torch.as_tensor(deltas, dtype=torch.float64)[..., None] * self.inv_freq
         return angles.cos().to(dtype=dtype, device=device), angles.sin().to(dtype=dtype, device=device)

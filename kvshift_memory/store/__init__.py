@@ -1,6 +1,6 @@
 """Memory records, their versions and KV fragment blobs on a tier, and the index that finds them.
 
-Nothing in this package imports torch or the engine: it moves bytes and metadata (DESIGN §2).
+Nothing in this package imports torch or the engine: it moves bytes and metadata (``docs/store.md``).
 """
 
 from .memory_store import CheckReport, GCReport, MemoryStore

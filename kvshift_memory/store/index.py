@@ -20,7 +20,7 @@ Two kinds, one behaviour (:func:`open_index`):
   writes (arrays as tensors, points and sync state as JSON in its header) and replaces whole by a
   rename: nothing in it is unpickled, and no lock is held across processes (each has its own copy).
 - :class:`~.qdrant_index.QdrantIndex`, ``http(s)://…``: a Qdrant server shared by many processes and machines
-  (DESIGN §8), filtered by a tenant payload index.
+  (``docs/store.md``), filtered by a tenant payload index.
 
 Keyword rarity is counted among the searching tenant's own memories (Qdrant's IDF formula), so
 another tenant's words never move a score (:class:`MemoryIndex`; a Qdrant server counts over
@@ -37,6 +37,7 @@ import os
 import threading
 import time
 import uuid
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -104,7 +105,7 @@ def open_index(
     return MemoryIndex(text, dimension, embedder_name, lock_timeout_s=lock_timeout_s)
 
 
-class _LogFollower:
+class _LogFollower(ABC):
     """What both kinds share: replaying the tier's log into points, with the sync state kept aside.
 
     A subclass stores points (``_upsert``, ``_delete``, ``_clear``, ``_point_ids``) and the sync
@@ -195,7 +196,9 @@ class _LogFollower:
         state = self._read_state()
         entries = _entries_since(state, read_log)
         if entries is None:
-            logger.warning("the store's log went backwards (tier emptied or restored): rebuilding the index at %s", self.location)
+            logger.warning(
+                "the store's log went backwards (tier emptied or restored): rebuilding the index at %s", self.location
+            )
             self._clear()
             state = _fresh_state()
             entries = read_log(0)
@@ -222,7 +225,9 @@ class _LogFollower:
                 pending.append({"tenant": tenant, "id": memory_id, "at": seen_at})
         self._flush()
         if entries or pending != state["pending"]:
-            self._write_state({"applied": state["applied"] + len(entries), "last": last, "pending": pending}, len(entries))
+            self._write_state(
+                {"applied": state["applied"] + len(entries), "last": last, "pending": pending}, len(entries)
+            )
         return set(first_seen)
 
     def _apply(self, tenant: str, memory_id: str, state: IndexedState) -> None:
@@ -230,30 +235,53 @@ class _LogFollower:
         if state.vector is None:
             self._delete([pid])
         else:
-            payload = {"tenant": tenant, "memory_id": memory_id, "version": state.version, "session_id": state.session_id}
+            payload = {
+                "tenant": tenant,
+                "memory_id": memory_id,
+                "version": state.version,
+                "session_id": state.session_id,
+            }
             self._upsert(pid, state.vector, sparse_terms(state.keywords), payload)
 
     # what a kind provides
+    @abstractmethod
     def _open(self) -> None: ...
 
+    @abstractmethod
     def _search(
-        self, vector: Sequence[float], tenant: str, session_id: str | None, limit: int, terms: Sequence[str], keyword_weight: float
+        self,
+        vector: Sequence[float],
+        tenant: str,
+        session_id: str | None,
+        limit: int,
+        terms: Sequence[str],
+        keyword_weight: float,
     ) -> list[IndexHit]: ...
 
-    def _upsert(self, pid: str, vector: Sequence[float], keywords: tuple[list[int], list[float]], payload: dict) -> None: ...
+    @abstractmethod
+    def _upsert(
+        self, pid: str, vector: Sequence[float], keywords: tuple[list[int], list[float]], payload: dict
+    ) -> None: ...
 
+    @abstractmethod
     def _delete(self, pids: Sequence[str]) -> None: ...
 
+    @abstractmethod
     def _flush(self) -> None: ...
 
+    @abstractmethod
     def _clear(self) -> None: ...
 
+    @abstractmethod
     def _point_ids(self) -> list[str]: ...
 
+    @abstractmethod
     def _read_state(self) -> dict: ...
 
+    @abstractmethod
     def _write_state(self, state: dict, applied_now: int) -> None: ...
 
+    @abstractmethod
     def _rebuilt(self) -> None: ...
 
 
@@ -267,12 +295,14 @@ class MemoryIndex(_LogFollower):
     :raises StoreError: the folder cannot be made, or its snapshot holds another embedder's vectors.
     """
 
-    def __init__(self, location: str | os.PathLike, dimension: int, embedder_name: str, *, lock_timeout_s: float = 30.0) -> None:
+    def __init__(
+        self, location: str | os.PathLike, dimension: int, embedder_name: str, *, lock_timeout_s: float = 30.0
+    ) -> None:
         super().__init__(lock_timeout_s)
         self.location = os.fspath(location)
         self.dimension = dimension
         self.embedder_name = embedder_name
-        self._folder = None if self.location == ":memory:" else self.location
+        self._folder: str | None = None if self.location == ":memory:" else self.location
         self._loaded = False
         self._unsaved = 0  # log entries applied since the folder's snapshot was written
         self._state = _fresh_state()
@@ -308,7 +338,13 @@ class MemoryIndex(_LogFollower):
     # ---------------------------------------------------------------- search
 
     def _search(
-        self, vector: Sequence[float], tenant: str, session_id: str | None, limit: int, terms: Sequence[str], keyword_weight: float
+        self,
+        vector: Sequence[float],
+        tenant: str,
+        session_id: str | None,
+        limit: int,
+        terms: Sequence[str],
+        keyword_weight: float,
     ) -> list[IndexHit]:
         tenant_code = self._codes.get(tenant)
         if tenant_code is None or not self._rows:
@@ -334,7 +370,9 @@ class MemoryIndex(_LogFollower):
                 hits[row] = IndexHit(tenant, payload["memory_id"], payload["version"], score)
         return sorted(hits.values(), key=lambda hit: hit.score, reverse=True)[:limit]
 
-    def _keyword_scores(self, tenant_code: int, indices: list[int], values: list[float], mask: np.ndarray) -> dict[int, float]:
+    def _keyword_scores(
+        self, tenant_code: int, indices: list[int], values: list[float], mask: np.ndarray
+    ) -> dict[int, float]:
         """Rows of the tenant sharing a term with the query, and their IDF-weighted overlap."""
         postings, corpus = self._postings.get(tenant_code, {}), self._counts.get(tenant_code, 0)
         scores: dict[int, float] = {}
@@ -355,7 +393,9 @@ class MemoryIndex(_LogFollower):
 
     # ---------------------------------------------------------------- points
 
-    def _upsert(self, pid: str, vector: Sequence[float], keywords: tuple[list[int], list[float]], payload: dict) -> None:
+    def _upsert(
+        self, pid: str, vector: Sequence[float], keywords: tuple[list[int], list[float]], payload: dict
+    ) -> None:
         dense = np.asarray(vector, dtype=np.float32)
         norm = float(np.linalg.norm(dense))
         dense = dense / norm if norm else dense
@@ -453,6 +493,7 @@ class MemoryIndex(_LogFollower):
         (the log is then replayed whole: the snapshot only saves time)."""
         from safetensors import SafetensorError, safe_open
 
+        assert self._folder is not None  # only an index in a folder has a snapshot
         path = os.path.join(self._folder, _SNAPSHOT)
         header = _snapshot_header(path)
         if header is None:
@@ -460,9 +501,15 @@ class MemoryIndex(_LogFollower):
         try:
             points = header["points"]
             with safe_open(path, framework="numpy") as snapshot:
-                arrays = {name: snapshot.get_tensor(name) for name in ("vectors", "term_starts", "terms", "term_values")}
+                arrays = {
+                    name: snapshot.get_tensor(name) for name in ("vectors", "term_starts", "terms", "term_values")
+                }
             vectors, starts = arrays["vectors"], arrays["term_starts"]
-            if vectors.dtype != np.float32 or vectors.shape != (len(points), self.dimension) or starts.shape != (len(points) + 1,):
+            if (
+                vectors.dtype != np.float32
+                or vectors.shape != (len(points), self.dimension)
+                or starts.shape != (len(points) + 1,)
+            ):
                 raise ValueError("arrays of the wrong shape")
             if not np.isfinite(vectors).all():
                 raise ValueError("vectors that are not finite")
@@ -488,15 +535,20 @@ class MemoryIndex(_LogFollower):
         """Write the folder's snapshot whole, under a new name first (a reader never sees half of one)."""
         from safetensors.numpy import save_file
 
+        assert self._folder is not None  # only an index in a folder has a snapshot
         rows = sorted(self._rows.items(), key=lambda item: item[1])
-        points, starts, terms, values = [], [0], [], []
+        points: list[list] = []
+        starts: list[int] = [0]
+        terms: list[int] = []
+        values: list[float] = []
         for pid, row in rows:
             payload = self._payloads[row]
+            assert payload is not None  # a row in use has its payload
             points.append([pid, payload["tenant"], payload["memory_id"], payload["version"], payload["session_id"]])
             terms.extend(self._terms[row])
             values.extend(self._terms[row].values())
             starts.append(len(terms))
-        tensors = {
+        tensors: dict[str, np.ndarray] = {
             "vectors": np.ascontiguousarray(self._vectors[[row for _, row in rows]].reshape(len(rows), self.dimension)),
             "term_starts": np.asarray(starts, dtype=np.int64),
             "terms": np.asarray(terms, dtype=np.int64),
@@ -545,8 +597,14 @@ def _parse_state(raw: object) -> dict:
     try:
         state = json.loads(raw)  # type: ignore[arg-type]
         last = state.get("last")
-        pending = [{"tenant": str(p["tenant"]), "id": str(p["id"]), "at": float(p.get("at", 0.0))} for p in state["pending"]]
-        return {"applied": max(0, int(state["applied"])), "last": last if isinstance(last, str) else None, "pending": pending}
+        pending = [
+            {"tenant": str(p["tenant"]), "id": str(p["id"]), "at": float(p.get("at", 0.0))} for p in state["pending"]
+        ]
+        return {
+            "applied": max(0, int(state["applied"])),
+            "last": last if isinstance(last, str) else None,
+            "pending": pending,
+        }
     except (ValueError, KeyError, TypeError, AttributeError):
         return _fresh_state()
 

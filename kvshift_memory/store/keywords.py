@@ -14,8 +14,12 @@ from __future__ import annotations
 import re
 import zlib
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
-__all__ = ["keywords", "sparse_terms"]
+if TYPE_CHECKING:
+    from .records import MemoryRecord
+
+__all__ = ["keywords", "memory_keywords", "sparse_terms"]
 
 _WORD = re.compile(r"[^\W_]+(?:'[^\W_]+)?")
 _STOPWORDS = frozenset(
@@ -45,3 +49,8 @@ def sparse_terms(words: Iterable[str]) -> tuple[list[int], list[float]]:
     """Sparse-vector indices and values (presence, 1.0) for ``words``; rarity is weighted by the index."""
     indices = sorted({zlib.crc32(word.encode("utf-8")) & 0x7FFFFFFF for word in words})
     return indices, [1.0] * len(indices)
+
+
+def memory_keywords(record: MemoryRecord) -> list[str]:
+    """What the keyword path indexes for a memory: its text's keywords and its ``semantic_keywords``."""
+    return keywords(" ".join([record.text, *record.semantic_keywords]))

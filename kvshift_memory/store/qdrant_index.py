@@ -1,4 +1,4 @@
-"""The index on a Qdrant server: many processes and machines share one collection (DESIGN §8).
+"""The index on a Qdrant server: many processes and machines share one collection (``docs/store.md``).
 
 The same log replay and fusion as :class:`~.index.MemoryIndex`; the tenant (and session) filter
 is part of every query, on a payload index. Keyword IDF is counted over the whole collection (a
@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import uuid
 from collections.abc import Sequence
+from typing import Any
 
 from ..exceptions import StoreError
 from .index import IndexHit, _fresh_state, _LogFollower, _parse_state
@@ -39,7 +40,8 @@ class QdrantIndex(_LogFollower):
         self.location = location
         self.dimension = dimension
         self.embedder_name = embedder_name
-        self._client = None
+        # a QdrantClient once opened; typed loosely: qdrant-client is an optional dependency
+        self._client: Any = None
         self._writes: dict[str, tuple | None] = {}
 
     def _open(self) -> None:
@@ -48,7 +50,9 @@ class QdrantIndex(_LogFollower):
         try:
             from qdrant_client import QdrantClient
         except ImportError:
-            raise StoreError("an index on a Qdrant server needs qdrant-client: pip install 'kvshift-memory[qdrant]'") from None
+            raise StoreError(
+                "an index on a Qdrant server needs qdrant-client: pip install 'kvshift-memory[qdrant]'"
+            ) from None
         try:
             client = QdrantClient(url=self.location)
             self._ensure_collections(client)
@@ -88,19 +92,29 @@ class QdrantIndex(_LogFollower):
                     f"this store embeds with {self.embedder_name!r} ({self.dimension}-d)"
                 )
         if not client.collection_exists(_STATE_COLLECTION):
-            client.create_collection(_STATE_COLLECTION, vectors_config=models.VectorParams(size=1, distance=models.Distance.DOT))
+            client.create_collection(
+                _STATE_COLLECTION, vectors_config=models.VectorParams(size=1, distance=models.Distance.DOT)
+            )
 
     def _search(
-        self, vector: Sequence[float], tenant: str, session_id: str | None, limit: int, terms: Sequence[str], keyword_weight: float
+        self,
+        vector: Sequence[float],
+        tenant: str,
+        session_id: str | None,
+        limit: int,
+        terms: Sequence[str],
+        keyword_weight: float,
     ) -> list[IndexHit]:
         from qdrant_client import models
 
-        conditions = [models.FieldCondition(key="tenant", match=models.MatchValue(value=tenant))]
+        conditions: list[Any] = [models.FieldCondition(key="tenant", match=models.MatchValue(value=tenant))]
         if session_id is not None:
             conditions.append(models.FieldCondition(key="session_id", match=models.MatchValue(value=session_id)))
         query_filter = models.Filter(must=conditions)  # the tenant filter is part of both queries
         client = self._client
-        dense = client.query_points(COLLECTION, query=list(vector), query_filter=query_filter, limit=limit, with_payload=True).points
+        dense = client.query_points(
+            COLLECTION, query=list(vector), query_filter=query_filter, limit=limit, with_payload=True
+        ).points
         sparse = []
         indices, values = sparse_terms(terms)
         if indices and keyword_weight > 0:
@@ -123,7 +137,9 @@ class QdrantIndex(_LogFollower):
         for point in [*dense, *sparse]:
             payload = point.payload or {}
             pid = str(point.id)
-            if payload.get("tenant") != tenant or pid in hits:  # the filter already did this; a forged point cannot pass either
+            if (
+                payload.get("tenant") != tenant or pid in hits
+            ):  # the filter already did this; a forged point cannot pass either
                 continue
             score = cosine.get(pid, 0.0) + keyword_weight * keyword.get(pid, 0.0)
             hits[pid] = IndexHit(tenant, str(payload.get("memory_id")), int(payload.get("version", 0)), score)
@@ -134,7 +150,9 @@ class QdrantIndex(_LogFollower):
             self._open()
             return int(self._client.count(COLLECTION).count)
 
-    def _upsert(self, pid: str, vector: Sequence[float], keywords: tuple[list[int], list[float]], payload: dict) -> None:
+    def _upsert(
+        self, pid: str, vector: Sequence[float], keywords: tuple[list[int], list[float]], payload: dict
+    ) -> None:
         self._writes[pid] = (list(vector), keywords, payload)
         if len(self._writes) >= self._BATCH:
             self._flush()
@@ -158,7 +176,7 @@ class QdrantIndex(_LogFollower):
             for pid, w in self._writes.items()
             if w
         ]
-        deletes = [pid for pid, write in self._writes.items() if write is None]
+        deletes: list[Any] = [pid for pid, write in self._writes.items() if write is None]
         self._writes.clear()
         if upserts:
             self._client.upsert(COLLECTION, points=upserts)
@@ -172,7 +190,8 @@ class QdrantIndex(_LogFollower):
 
     def _point_ids(self) -> list[str]:
         self._flush()
-        ids, offset = [], None
+        ids: list[str] = []
+        offset = None
         while True:
             points, offset = self._client.scroll(COLLECTION, limit=1000, offset=offset, with_payload=False)
             ids.extend(str(p.id) for p in points)

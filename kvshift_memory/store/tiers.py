@@ -191,7 +191,9 @@ class _BytesOnlyDisk(diskcache.Disk):
         if mode == diskcache.core.MODE_PICKLE:
             raise CorruptRecordError("refusing a pickled value in the disk tier")
         if filename is not None and not self._inside(filename):
-            raise CorruptRecordError(f"refusing a disk tier row whose value file {filename!r} is not one of the folder's")
+            raise CorruptRecordError(
+                f"refusing a disk tier row whose value file {filename!r} is not one of the folder's"
+            )
         return super().fetch(mode, filename, value, read)
 
     def remove(self, file_path):
@@ -296,15 +298,17 @@ class DiskTier:
             entries = []
             for index in range(start, length):
                 value = self._cache.get(f"{log}@{index:012d}")
-                if value is None:  # written in one transaction with the count, so only a damaged folder lacks it
+                entry = self._stored(value)
+                if entry is None:  # written in one transaction with the count, so only a damaged folder lacks it
                     raise StoreError(f"log {log!r} lacks entry {index}")
-                entries.append(self._stored(value))
+                entries.append(entry)
             return entries
 
     def scan(self, prefix: str) -> Iterator[str]:
         # one range query over str keys: rows of other key types (a pickled key planted by hand)
         # are never read, and a scan does not walk every other key of the folder
-        query, bounds = "SELECT key FROM Cache WHERE raw = 1 AND typeof(key) = 'text'", ()
+        query = "SELECT key FROM Cache WHERE raw = 1 AND typeof(key) = 'text'"
+        bounds: tuple[str, ...] = ()
         if prefix:
             query += " AND key >= ? AND key < ?"
             bounds = (prefix, prefix[:-1] + chr(ord(prefix[-1]) + 1))

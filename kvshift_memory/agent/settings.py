@@ -1,0 +1,77 @@
+"""The agent's settings, as data."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .. import inputs
+from ..exceptions import InvalidInputError
+
+__all__ = ["AgentSettings"]
+
+
+@dataclass(frozen=True)
+class AgentSettings:
+    """Behaviour of an :class:`AgentMemory`.
+
+    :param system_prompt: the system message; ``None`` uses the engine's.
+    :param recall_k: memories recalled per turn at most.
+    :param recall_min_score: a memory less similar than this to the message is not recalled.
+    :param importance_weight: how much a memory's importance adds to its similarity when ranking.
+    :param session_weight: how much being from this session adds to a memory's similarity.
+    :param window_tokens: budget of the working window (turns and the memories recalled into them).
+    :param window_keep: share of the budget the window is cut back to when it passes it (several
+        turns leave at once, so the window shifts rarely).
+    :param max_new_tokens: default reply length bound.
+    :param reuse: ``"prefix"`` (default: exact reuse of the system prompt and the session's earlier
+        turns, recalled memories recomputed with the question, so answers are full recompute's),
+        ``"blend"`` (recalled memories' stored fragments shifted into place, a share of their tokens
+        recomputed: faster on long memories, and it changes some answers) or ``"none"`` (the
+        baseline). Chosen by answer retention against ``"none"`` first, then time to first token
+        (docs/benchmarks/writeback.md).
+    :param recompute_ratio: the blend's share of recalled fragment tokens recomputed (``None``: the
+        engine's default; 0 is shift only, which loses copied names and numbers).
+    :param correction_min_score: a correction supersedes the closest memory only when at least this
+        similar to it.
+    :param busy_timeout_s: how long a call waits for another call on the same session to finish.
+    :param write_back: ``False`` answers without remembering: no turn is archived or corrected
+        (questions asked of a memory, as a benchmark asks them); the window still works.
+    """
+
+    system_prompt: str | None = None
+    recall_k: int = 4
+    recall_min_score: float = 0.3
+    importance_weight: float = 0.1
+    session_weight: float = 0.05
+    window_tokens: int = 2048
+    window_keep: float = 0.6
+    max_new_tokens: int = 96
+    reuse: str = "prefix"
+    recompute_ratio: float | None = None
+    correction_min_score: float = 0.5
+    busy_timeout_s: float = 300.0
+    write_back: bool = True
+
+    def __post_init__(self) -> None:
+        if self.system_prompt is not None:
+            inputs.check_text(self.system_prompt, "system_prompt")
+        inputs.check_positive_int(self.recall_k, "recall_k")
+        inputs.check_positive_int(self.window_tokens, "window_tokens")
+        inputs.check_positive_int(self.max_new_tokens, "max_new_tokens")
+        inputs.check_ratio(self.window_keep, "window_keep")
+        inputs.check_ratio(self.importance_weight, "importance_weight")
+        inputs.check_ratio(self.session_weight, "session_weight")
+        for name in ("recall_min_score", "correction_min_score"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not -1.0 <= value <= 1.0:
+                raise InvalidInputError(f"{name} must be a number in [-1, 1], got {value!r}")
+        if self.reuse not in inputs.REUSE_MODES:
+            raise InvalidInputError(f"reuse must be one of {inputs.REUSE_MODES}, got {self.reuse!r}")
+        if self.recompute_ratio is not None:
+            inputs.check_ratio(self.recompute_ratio)
+        if (
+            isinstance(self.busy_timeout_s, bool)
+            or not isinstance(self.busy_timeout_s, (int, float))
+            or self.busy_timeout_s < 0
+        ):
+            raise InvalidInputError(f"busy_timeout_s must be a number >= 0, got {self.busy_timeout_s!r}")

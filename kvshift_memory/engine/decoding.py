@@ -1,0 +1,181 @@
+"""Decoding: the token loop after a prefill, streaming with stop strings, and teacher-forced scoring."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+
+from ..kv.cache import ForwardStep
+from .planning import PromptPlan
+from .results import GenerationResult, ReuseStats, ScoreResult
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+    from .engine import KVShiftEngine
+
+__all__ = ["GenerationStream", "Sampling", "eos_ids", "generate_steps", "held_back", "pick_token", "score_continuation"]
+
+#: temperature, top_p, top_k, seed
+Sampling = tuple[float, float, int, "int | None"]
+
+
+class GenerationStream(Iterator[str]):
+    """Text pieces of a generation as they are produced.
+
+    After the last piece, :attr:`result` holds the :class:`GenerationResult`; :attr:`stats`
+    is available from the first piece on (``ttft_s`` is final by then).
+    """
+
+    def __init__(self, steps: Iterator[str | ReuseStats | GenerationResult]) -> None:
+        self._steps = steps
+        self.result: GenerationResult | None = None
+        self.stats: ReuseStats | None = None
+
+    def __iter__(self) -> GenerationStream:
+        return self
+
+    def __next__(self) -> str:
+        while True:
+            item = next(self._steps)
+            if isinstance(item, GenerationResult):
+                self.result, self.stats = item, item.stats
+                continue
+            if isinstance(item, ReuseStats):
+                self.stats = item
+                continue
+            return item
+
+    def close(self) -> None:
+        """Stop generating; the K/V computed so far stays cached for reuse."""
+        close = getattr(self._steps, "close", None)
+        if close is not None:
+            close()
+
+
+def eos_ids(model: PreTrainedModel, tokenizer: Any) -> frozenset[int]:
+    """The token ids that end an answer: the tokenizer's and the generation config's."""
+    ids = set()
+    for source in (tokenizer.eos_token_id, getattr(model.generation_config, "eos_token_id", None)):
+        if isinstance(source, int):
+            ids.add(source)
+        elif isinstance(source, (list, tuple)):
+            ids.update(int(i) for i in source)
+    return frozenset(ids)
+
+
+def pick_token(
+    logits: torch.Tensor, temperature: float, top_p: float, top_k: int, generator: torch.Generator | None
+) -> int:
+    if temperature == 0.0:
+        return int(logits.argmax())
+    scores = logits / temperature
+    if top_k:
+        kth = scores.topk(min(top_k, scores.numel())).values[-1]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    if top_p < 1.0:
+        sorted_probs, order = probs.sort(descending=True)
+        outside = sorted_probs.cumsum(0) - sorted_probs >= top_p
+        sorted_probs[outside] = 0.0
+        probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def generate_steps(
+    engine: KVShiftEngine, plan: PromptPlan, sampling: Sampling, stops: list[str], started: float
+) -> Iterator[str | ReuseStats | GenerationResult]:
+    """Prefill ``plan`` and decode: yields the stats at the first token, text pieces, then the result.
+
+    The K/V computed (prompt and answer) is remembered for prefix reuse when the generator ends,
+    closed early included.
+    """
+    temperature, top_p, top_k, seed = sampling
+    generator = None
+    if temperature > 0.0:
+        generator = torch.Generator()
+        generator.seed() if seed is None else generator.manual_seed(seed)
+    layout = plan.layout
+    prepared = engine.prefill(plan)
+    cache, logits, stats = prepared.cache, prepared.logits, prepared.stats
+    n = layout.length
+    filled = n  # slots holding finished K/V: an interrupted step leaves its slot out
+    generated: list[int] = []
+    text, emitted = "", 0
+    finish: Literal["stop", "length"] = "length"
+    decode_started = None
+    try:
+        while True:
+            token = pick_token(logits, temperature, top_p, top_k, generator)
+            if decode_started is None:
+                decode_started = time.perf_counter()
+                stats.ttft_s = decode_started - started
+                yield stats
+            if token in engine.eos_token_ids:
+                finish = "stop"
+                break
+            generated.append(token)
+            text = engine.tokenizer.decode(generated, skip_special_tokens=True)
+            cut = min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)
+            if cut >= 0:
+                text, finish = text[:cut], "stop"
+                break
+            ready = len(text) - held_back(text, stops)
+            if ready > emitted:
+                yield text[emitted:ready]
+                emitted = ready
+            if len(generated) == plan.extra_tokens:
+                break
+            slot = n + len(generated) - 1
+            logits = engine.forward(cache, torch.tensor([token]), ForwardStep.span(slot, slot + 1))[-1]
+            filled = slot + 1
+        if len(text) > emitted:
+            yield text[emitted:]
+        elapsed = time.perf_counter() - decode_started
+        stats.generated_tokens = len(generated)
+        stats.decode_tokens_per_s = (len(generated) - 1) / elapsed if len(generated) > 1 and elapsed > 0 else 0.0
+        stats.total_s = time.perf_counter() - started
+        yield GenerationResult(text=text, token_ids=generated, stats=stats, finish_reason=finish)
+    finally:
+        all_ids = torch.cat([layout.token_ids, torch.tensor(generated, dtype=torch.long)])
+        # decoding after an exact prompt is exact too: the next turn may reuse the reply as well
+        exact_until = filled if prepared.exact_until >= n else prepared.exact_until
+        engine.prefix_cache.remember(layout.namespace, cache, all_ids, filled, exact_until)
+
+
+@torch.inference_mode()
+def score_continuation(
+    engine: KVShiftEngine, plan: PromptPlan, cont_ids: list[int], return_distributions: bool, started: float
+) -> ScoreResult:
+    """Prefill ``plan`` and score ``cont_ids`` as the start of the answer (teacher-forced)."""
+    prepared = engine.prefill(plan)
+    stats = prepared.stats
+    stats.ttft_s = time.perf_counter() - started
+    rows = [prepared.logits[None]]
+    if len(cont_ids) > 1:
+        n = plan.layout.length
+        ids = torch.tensor(cont_ids[:-1])
+        rows.append(engine.forward(prepared.cache, ids, ForwardStep.span(n, n + ids.numel()), logits="all"))
+    distributions = torch.log_softmax(torch.cat(rows), dim=-1)
+    picked = distributions.gather(1, torch.tensor(cont_ids)[:, None])[:, 0]
+    stats.total_s = time.perf_counter() - started
+    return ScoreResult(
+        logprobs=picked.tolist(),
+        token_ids=list(cont_ids),
+        stats=stats,
+        distributions=distributions if return_distributions else None,
+    )
+
+
+def held_back(text: str, stops: list[str]) -> int:
+    """Characters at the end of ``text`` not to emit yet: the start of a stop string, or an unfinished character."""
+    held = 1 if text.endswith("\ufffd") else 0
+    for stop in stops:
+        for size in range(min(len(stop) - 1, len(text)), 0, -1):
+            if text.endswith(stop[:size]):
+                held = max(held, size)
+                break
+    return held

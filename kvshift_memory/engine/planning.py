@@ -1,0 +1,173 @@
+"""Planning a call: the prompt's layout, the reuse it will get, and what its prefill leaves behind.
+
+:meth:`KVShiftEngine.plan <kvshift_memory.engine.KVShiftEngine.plan>` returns a :class:`PromptPlan`
+and :meth:`KVShiftEngine.prefill <kvshift_memory.engine.KVShiftEngine.prefill>` turns one into a
+:class:`PreparedPrompt`. ``generate`` and ``score`` are those two steps and a decoding loop;
+benchmarks and tests that look inside a prompt (which slots the blend recomputed, the K/V it
+placed) call the two steps themselves.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+
+from .. import inputs
+from ..exceptions import ContextOverflowError
+from ..kv.cache import ShiftCache
+from .families import PositionScheme
+from .prompt import PromptLayout, ScopedTokens, TokenMemo, build_layout
+from .results import ReuseMode, ReuseStats
+from .settings import EngineSettings
+from .speakers import cast_speakers
+
+__all__ = ["Planner", "PreparedPrompt", "PromptPlan"]
+
+
+@dataclass(frozen=True)
+class PromptPlan:
+    """What one call will run.
+
+    :param layout: the tokenised prompt with its memory spans.
+    :param reuse: the reuse that will be applied.
+    :param requested_reuse: what the caller asked for (``"auto"`` when left to the engine).
+    :param recompute_ratio: the blend's share of shifted fragment tokens to recompute.
+    :param fallback_reason: why ``reuse`` is less than was asked, when it is.
+    :param extra_tokens: slots kept after the prompt (the answer's, or the scored continuation's).
+    """
+
+    layout: PromptLayout
+    reuse: ReuseMode
+    requested_reuse: str
+    recompute_ratio: float
+    fallback_reason: str | None
+    extra_tokens: int
+
+
+@dataclass
+class PreparedPrompt:
+    """A prompt whose K/V are in ``cache`` and whose next-token logits are known."""
+
+    cache: ShiftCache
+    logits: torch.Tensor
+    stats: ReuseStats
+    #: slots before this hold exactly what full recompute would (a later prompt may reuse them)
+    exact_until: int
+    #: which slots the blend recomputed (all ``False`` for shift only; ``None`` when no memory was
+    #: placed, as for ``reuse="none"``)
+    recomputed: torch.Tensor | None = None
+
+
+class Planner:
+    """Builds :class:`PromptPlan` objects for one model, tokenizer and settings.
+
+    :param max_positions: the model's context window.
+    :param position_scheme: whether (and up to what length) the model's positions can be shifted.
+    """
+
+    def __init__(
+        self, tokens: TokenMemo, settings: EngineSettings, max_positions: int, position_scheme: PositionScheme
+    ) -> None:
+        self._tokens = tokens
+        self._settings = settings
+        self._max_positions = max_positions
+        self._position_scheme = position_scheme
+
+    def plan(
+        self,
+        messages: Sequence[dict[str, Any]] | str,
+        memories: Sequence[Any] | None,
+        reuse: str | None,
+        recompute_ratio: float | None,
+        extra_tokens: int,
+        fragments_after: str | None = None,
+        encode_context: str | None = None,
+        namespace: str | None = None,
+    ) -> PromptPlan:
+        """Validate a call's input and lay its prompt out (see ``KVShiftEngine.generate`` for the arguments).
+
+        :raises InvalidInputError: bad messages, memories or parameters.
+        :raises ContextOverflowError: the prompt plus ``extra_tokens`` exceeds the context window.
+        """
+        settings = self._settings
+        namespace = inputs.check_namespace(namespace)
+        checked = inputs.check_messages(messages)
+        texts = inputs.check_memories(memories)
+        requested = inputs.check_reuse(reuse)
+        ratio = settings.recompute_ratio if recompute_ratio is None else inputs.check_ratio(recompute_ratio)
+        given = list(memories or ())
+        for message in checked:
+            if "memories" in message:
+                given.extend(message["memories"])
+                message["memories"] = inputs.check_memories(message["memories"])
+        tokens = self._tokens.scoped(namespace)
+        layout = build_layout(tokens, checked, texts, settings.system_prompt, settings.memory_header)
+        if fragments_after is not None:
+            fixed = [{"role": "system", "content": inputs.check_text(fragments_after, "fragments_after")}]
+            question = [{"role": "user", "content": "?"}]  # only the system message matters here
+            conditioning = build_layout(
+                tokens, fixed + question, [], settings.system_prompt, settings.memory_header
+            ).conditioning
+            layout = replace(layout, conditioning=conditioning)
+        if encode_context is None:
+            encode_context = settings.encode_context
+        else:
+            encode_context = inputs.check_text(encode_context, "encode_context", allow_empty=True)
+        records = [None if isinstance(memory, str) else memory for memory in given]
+        layout = replace(
+            layout,
+            namespace=namespace,
+            fragments=tuple(
+                replace(s, record=r, context=self._context_ids(tokens, encode_context, s.text))
+                for s, r in zip(layout.fragments, records, strict=True)
+            ),
+        )
+        self._check_fits(layout, extra_tokens)
+        mode: ReuseMode = requested or ("blend" if layout.fragments else "prefix")
+        fallback = None
+        if mode == "blend":
+            fallback = self._position_scheme.blocks_shift(layout.length + extra_tokens)
+            if fallback is not None:
+                mode = "prefix"
+        if mode == "blend":
+            no_room = self.no_room_to_encode(layout)
+            if no_room is not None:
+                mode, fallback = "prefix", f"{no_room}: exact prefix reuse"
+        return PromptPlan(layout, mode, requested or "auto", ratio, fallback, extra_tokens)
+
+    def no_room_to_encode(self, layout: PromptLayout) -> str | None:
+        """Why one of the layout's memories cannot be encoded after its conditioning and encode
+        context within the context window, or ``None`` when all can."""
+        if not layout.fragments:
+            return None
+        tightest = max(layout.fragments, key=lambda span: len(span.context) + len(span.token_ids))
+        if layout.conditioning.numel() + len(tightest.context) + len(tightest.token_ids) <= self._max_positions:
+            return None
+        return (
+            f"a memory of {len(tightest.token_ids)} tokens does not fit after the "
+            f"{layout.conditioning.numel()} tokens of "
+            f"system message and {len(tightest.context)} of encode context it is encoded after, in the model's "
+            f"context window of {self._max_positions}"
+        )
+
+    def _check_fits(self, layout: PromptLayout, extra_tokens: int) -> None:
+        for index, span in enumerate(layout.fragments):
+            if len(span.token_ids) + extra_tokens >= self._max_positions:
+                raise ContextOverflowError(
+                    f"memories[{index}] alone takes {len(span.token_ids)} tokens; "
+                    f"the model's context window is {self._max_positions}"
+                )
+        if layout.length + extra_tokens > self._max_positions:
+            raise ContextOverflowError(
+                f"the prompt takes {layout.length} tokens and {extra_tokens} more were asked for; "
+                f"the model's context window is {self._max_positions}"
+            )
+
+    def _context_ids(self, tokens: ScopedTokens, encode_context: str, memory: str) -> tuple[int, ...]:
+        """The ids of the encode context ``memory``'s fragment is encoded after."""
+        if self._settings.match_speakers:
+            encode_context = cast_speakers(encode_context, memory)
+        return tokens.encode(encode_context)

@@ -1,0 +1,82 @@
+"""What the agent and the adapters need of an engine and a store, as typing protocols.
+
+:class:`~kvshift_memory.KVShiftEngine` and :class:`~kvshift_memory.MemoryStore` satisfy them; a
+test double or another implementation may too (the type checker says whether it does).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Literal, Protocol, overload
+
+if TYPE_CHECKING:
+    from .engine import GenerationResult, GenerationStream
+    from .store import MemoryRecord
+
+__all__ = ["Engine", "Store"]
+
+
+class Engine(Protocol):
+    """The engine calls :class:`~kvshift_memory.AgentMemory` makes (see :class:`~kvshift_memory.KVShiftEngine`)."""
+
+    @overload
+    def generate(
+        self,
+        messages: Sequence[dict[str, Any]] | str,
+        memories: Sequence[Any] | None = None,
+        *,
+        reuse: str | None = None,
+        recompute_ratio: float | None = None,
+        max_new_tokens: int = 64,
+        stream: Literal[False] = False,
+        namespace: str | None = None,
+    ) -> GenerationResult: ...
+
+    @overload
+    def generate(
+        self,
+        messages: Sequence[dict[str, Any]] | str,
+        memories: Sequence[Any] | None = None,
+        *,
+        reuse: str | None = None,
+        recompute_ratio: float | None = None,
+        max_new_tokens: int = 64,
+        stream: Literal[True],
+        namespace: str | None = None,
+    ) -> GenerationStream: ...
+
+    def warm(
+        self,
+        memories: Sequence[Any],
+        messages: Sequence[dict[str, Any]] | str | None = None,
+        *,
+        lead_fragments: bool | None = None,
+        namespace: str | None = None,
+    ) -> int: ...
+
+    def count_tokens(self, text: str, *, namespace: str | None = None) -> int: ...
+
+
+class Store(Protocol):
+    """The store calls recall, write-back and markers make (see :class:`~kvshift_memory.MemoryStore`)."""
+
+    def add(
+        self,
+        text: str,
+        *,
+        tenant: str,
+        session_id: str | None = None,
+        importance_score: float = 0.5,
+    ) -> MemoryRecord: ...
+
+    def get(self, memory_id: str, *, tenant: str) -> MemoryRecord | None: ...
+
+    def search(self, query: str, *, tenant: str, session_id: str | None = None, k: int = 4) -> list[MemoryRecord]: ...
+
+    def supersede(
+        self, memory_id: str, new_text: str, *, tenant: str, expected_version: int | None = None
+    ) -> MemoryRecord: ...
+
+    def delete(self, memory_id: str, *, tenant: str) -> bool: ...
+
+    def history(self, memory_id: str, *, tenant: str) -> list[MemoryRecord]: ...

@@ -1,0 +1,312 @@
+"""A memory store's upkeep: garbage collection, verification with repair, and statistics.
+
+:meth:`MemoryStore.gc`, :meth:`MemoryStore.check` and :meth:`MemoryStore.stats` call these.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from ..blobs import codec_label, read_header, verify_blob
+from ..exceptions import CorruptFragmentError, CorruptRecordError, StoreError
+from .index import IndexedState
+from .keywords import memory_keywords
+from .layout import (
+    LOG_KEY,
+    ORPHAN_GRACE_S,
+    blob_fingerprint,
+    head_bytes,
+    is_earlier_head,
+    log_entry,
+    pack_embedding,
+    parse_head,
+    split_key,
+    tier_key,
+    unpack_embedding,
+)
+from .records import MemoryRecord
+from .tiers import BLOB_PREFIX
+
+if TYPE_CHECKING:
+    from .memory_store import MemoryStore
+
+__all__ = ["CheckReport", "GCReport", "check_store", "collect_garbage", "store_stats"]
+
+
+@dataclass
+class CheckReport:
+    """What :meth:`MemoryStore.check` found.
+
+    :param ok: no problem left unrepaired.
+    :param problems: every problem found, repaired or not.
+    :param repaired: the problems that were repaired (corrupt fragments dropped to be re-encoded
+        from text, index points rebuilt).
+    """
+
+    ok: bool
+    memories: int
+    fragments: int
+    problems: list[str] = field(default_factory=list)
+    repaired: list[str] = field(default_factory=list)
+
+
+@dataclass
+class GCReport:
+    """What :meth:`MemoryStore.gc` freed."""
+
+    erased_memories: int = 0
+    freed_fragments: int = 0
+    freed_bytes: int = 0
+    freed_keys: int = 0
+
+
+def collect_garbage(store: MemoryStore, *, keep_model_fingerprint: str | None = None) -> GCReport:
+    """Free what no live memory uses.
+
+    Erases deleted and expired memories (text, vectors, fragments), fragments and vectors of
+    superseded versions (their text stays, for :meth:`history`), data that writers killed
+    mid-write left behind, and, when ``keep_model_fingerprint`` is given, fragments of other
+    models (stale: they would never be used again).
+
+    :raises StoreError: the tier failed.
+    """
+    report = GCReport()
+    now = time.time()
+    heads: dict[tuple[str, str], dict | None] = {}
+    for key in list(store.tier.scan("h/")):
+        parts = split_key(key)
+        if len(parts) == 3:
+            heads[(parts[1], parts[2])] = parse_head(store._get_row(key))
+    for (tenant, memory_id), head in heads.items():
+        if head is None or head.get("erased"):
+            continue
+        live = None if head["deleted"] else store._read_record(tenant, memory_id, head["v"], head["w"])
+        if head["deleted"] or (live is not None and live.is_expired(now)):
+            heads[(tenant, memory_id)] = _erase(store, tenant, memory_id, head, report)
+    for prefix in ("r/", "e/", "p/", BLOB_PREFIX):
+        for key in list(store.tier.scan(prefix)):
+            parts = split_key(key)
+            if len(parts) != (4 if prefix == "p/" else 5) or not parts[3].isdigit():
+                continue  # not a key this layout writes (an earlier one's: check() moves those)
+            # the heads were read before this scan; a memory written since is judged by its head now
+            if not _in_use(store, prefix, parts, heads.get((parts[1], parts[2])), now) and not _in_use(
+                store, prefix, parts, store._read_head(parts[1], parts[2])[1], now
+            ):
+                _free(store, key, report)
+            elif prefix == BLOB_PREFIX and keep_model_fingerprint is not None:
+                raw = store._get_row(key)
+                if raw is not None and blob_fingerprint(raw) != keep_model_fingerprint:
+                    _free(store, key, report)
+    return report
+
+
+def check_store(store: MemoryStore) -> CheckReport:
+    """Verify every live memory and fragment, repair what can be rebuilt, and say what was found.
+
+    Corrupt fragment blobs are dropped (they are re-encoded from text on next use), an
+    embedding that is missing, damaged or another text's is computed again, and the index is
+    reconciled with the records. A live memory whose record is missing or damaged cannot be
+    rebuilt and makes ``ok`` false.
+
+    :raises StoreError: the tier failed.
+    """
+    report = CheckReport(ok=True, memories=0, fragments=0)
+    states: dict[tuple[str, str], IndexedState] = {}  # what each memory's index point must be
+    for key in list(store.tier.scan("h/")):
+        parts = split_key(key)
+        raw_head = _get_or_report(store, key, report)
+        head = parse_head(raw_head)
+        if len(parts) == 3 and head is None and raw_head is not None and is_earlier_head(raw_head):
+            head = _move_to_writer_keys(store, parts[1], parts[2], raw_head, report)
+        if len(parts) != 3 or head is None:
+            report.problems.append(f"unreadable head {key!r}")
+            report.ok = False
+            continue
+        tenant, memory_id = parts[1], parts[2]
+        states[(tenant, memory_id)] = IndexedState(head["v"], None, None)
+        if head["deleted"]:
+            continue
+        report.memories += 1
+        try:
+            record = MemoryRecord.from_json(
+                store.tier.get(tier_key("r", tenant, memory_id, head["v"], head["w"])) or b""
+            )
+        except StoreError as exc:
+            report.problems.append(f"memory {memory_id} of {tenant!r}: {exc}")
+            report.ok = False
+            continue
+        if record.id != memory_id or record.tenant != tenant or record.version != head["v"]:
+            report.problems.append(f"memory {memory_id} of {tenant!r}: record names {record.tenant}/{record.id}")
+            report.ok = False
+            continue
+        embedding_key = tier_key("e", tenant, memory_id, head["v"], head["w"])
+        embedding = unpack_embedding(_get_or_report(store, embedding_key, report), store.index.dimension)
+        if embedding is None or embedding[0] != record.source_text_hash:
+            state = "missing or damaged" if embedding is None else "computed from another text"
+            problem = f"memory {memory_id} of {tenant!r}: embedding {state}"
+            report.problems.append(problem)
+            embedding = (record.source_text_hash, store.embedder.embed([record.text])[0])
+            store.tier.set(embedding_key, pack_embedding(*embedding))
+            report.repaired.append(f"{problem} (embedded again)")
+        states[(tenant, memory_id)] = IndexedState(head["v"], record.session_id, embedding[1], memory_keywords(record))
+    for key in list(store.tier.scan(BLOB_PREFIX)):
+        parts = split_key(key)
+        report.fragments += 1
+        try:
+            metadata = verify_blob(store.tier.get(key) or b"")
+            if len(parts) != 5 or (metadata.get("tenant"), metadata.get("memory_id"), metadata.get("version")) != (
+                parts[1],
+                parts[2],
+                parts[3],
+            ):
+                raise CorruptFragmentError("blob is stored under another memory's key")
+        except StoreError as exc:  # a corrupt blob, or a row the tier refuses to read
+            problem = f"fragment {key!r}: {exc}"
+            report.problems.append(problem)
+            store.tier.delete(key)
+            store._hot.delete(key)
+            report.repaired.append(f"{problem} (dropped; re-encoded from text on next use)")
+    strays = store.index.rebuild(states, store._read_log, store._index_state)
+    if strays:
+        report.problems.append(f"index held {strays} points of no memory")
+        report.repaired.append(f"removed {strays} stray index points")
+    return report
+
+
+def store_stats(store: MemoryStore, *, model_fingerprint: str | None = None) -> dict[str, Any]:
+    """Counts and sizes: memories (live, superseded versions, deleted), fragments and their
+    bytes per codec, and with ``model_fingerprint`` how many fragments are stale (another model's)."""
+    out: dict[str, Any] = {
+        "kv_url": store.tier.url,
+        "index": store.index.location,
+        "codec": codec_label(store.codec, store.group_size),
+        "memories": 0,
+        "deleted": 0,
+        "versions": 0,
+        "fragments": 0,
+        "fragment_bytes": 0,
+        "fragments_by_codec": {},
+        "corrupt_fragments_seen": store.corrupt_fragments,
+    }
+    for key in store.tier.scan("h/"):
+        head = parse_head(store._get_row(key))
+        if head is None:
+            continue
+        out["deleted" if head["deleted"] else "memories"] += 1
+        out["versions"] += head["v"]
+    if model_fingerprint is not None:
+        out["stale_fragments"] = 0
+    for key in store.tier.scan(BLOB_PREFIX):
+        raw = store._get_row(key)
+        if raw is None:
+            continue
+        out["fragments"] += 1
+        out["fragment_bytes"] += len(raw)
+        try:
+            metadata = read_header(raw)[1]  # counting needs the header only; check() verifies
+        except CorruptFragmentError:
+            continue
+        codec = metadata.get("codec", "?")
+        out["fragments_by_codec"][codec] = out["fragments_by_codec"].get(codec, 0) + 1
+        if model_fingerprint is not None and metadata.get("model_fingerprint") != model_fingerprint:
+            out["stale_fragments"] += 1
+    return out
+
+
+def _in_use(store: MemoryStore, prefix: str, parts: list[str], head: dict | None, now: float) -> bool:
+    """Whether gc keeps the data under a key (split into ``parts``) of a memory whose head is ``head``."""
+    tenant, memory_id, version = parts[1], parts[2], int(parts[3])
+    if head is not None and head["deleted"]:
+        return False
+    if prefix == "p/":
+        # a publication pointer is never wrong (a version has one writer), and the head read at
+        # the start of gc may already be behind one a supersede just wrote: keep while the memory lives
+        return head is not None
+    if prefix == BLOB_PREFIX:
+        return head is not None and version == head["v"]
+    writer = parts[4]
+    if head is not None and version <= head["v"]:
+        published = head["w"] if version == head["v"] else store._published_writer(tenant, memory_id, version)
+        # superseded versions keep their text (history), not their embedding
+        return writer == published and (prefix == "r/" or version == head["v"])
+    # no head names it yet: a write in flight (the first version, or the next one), or abandoned
+    in_flight = version == (head["v"] + 1 if head is not None else 1)
+    return in_flight and not _abandoned(store, tenant, memory_id, version, writer, now)
+
+
+def _move_to_writer_keys(
+    store: MemoryStore, tenant: str, memory_id: str, raw_head: bytes, report: CheckReport
+) -> dict | None:
+    """A memory an earlier build wrote (versions under ``r/t/m/v``, no writer in its head),
+    copied to this layout and published by compare-and-set; the old keys are then removed.
+
+    :returns: its new head, or ``None`` when its live version's record is missing.
+    """
+    earlier = json.loads(raw_head)
+    version, deleted = earlier["v"], bool(earlier.get("deleted"))
+    writers = {}
+    for old_version in range(1, version + 1):
+        raw = store._get_row(tier_key("r", tenant, memory_id, old_version))
+        if raw is not None:
+            writers[old_version] = uuid.uuid4().hex
+            store.tier.set(tier_key("r", tenant, memory_id, old_version, writers[old_version]), raw)
+            if old_version < version:
+                store.tier.set(tier_key("p", tenant, memory_id, old_version), writers[old_version].encode())
+    live = store._read_record(tenant, memory_id, version, writers[version]) if version in writers else None
+    if live is None:
+        return None
+    vector = store.embedder.embed([live.text])[0]
+    store.tier.set(
+        tier_key("e", tenant, memory_id, version, writers[version]), pack_embedding(live.source_text_hash, vector)
+    )
+    store.tier.append(LOG_KEY, log_entry(tenant, memory_id))
+    new_head = head_bytes(version, writers[version], deleted=deleted)
+    if not store.tier.compare_and_set(tier_key("h", tenant, memory_id), raw_head, new_head):
+        return parse_head(store._get_row(tier_key("h", tenant, memory_id)))  # another check() moved it first
+    for old_version in range(1, version + 1):
+        for kind in ("r", "e"):
+            store.tier.delete(tier_key(kind, tenant, memory_id, old_version))
+    report.repaired.append(f"memory {memory_id} of {tenant!r}: moved from an earlier build's layout")
+    return parse_head(new_head)
+
+
+def _get_or_report(store: MemoryStore, key: str, report: CheckReport) -> bytes | None:
+    """A key's value, or ``None`` (the problem noted) when the tier refuses to read its row."""
+    try:
+        return store.tier.get(key)
+    except CorruptRecordError as exc:
+        report.problems.append(f"{key!r}: {exc}")
+        return None
+
+
+def _erase(store: MemoryStore, tenant: str, memory_id: str, head: dict, report: GCReport) -> dict:
+    """Tombstone a memory and return its new head; gc's one scan of records, vectors and blobs
+    then frees the rest of its data (and frees it on the next gc, if this one is interrupted)."""
+    for key in (tier_key("ac", tenant, memory_id), tier_key("al", tenant, memory_id)):
+        _free(store, key, report)
+    store.tier.append(LOG_KEY, log_entry(tenant, memory_id))
+    # the tombstone stays: it tells every index to drop the point, and ids are never reused
+    store.tier.set(tier_key("h", tenant, memory_id), head_bytes(head["v"], head["w"], deleted=True, erased=True))
+    report.erased_memories += 1
+    return {**head, "deleted": True, "erased": True}
+
+
+def _free(store: MemoryStore, key: str, report: GCReport) -> None:
+    raw = store._get_row(key) if key.startswith(BLOB_PREFIX) else None
+    if store.tier.delete(key):
+        report.freed_keys += 1
+        if raw is not None:
+            report.freed_fragments += 1
+            report.freed_bytes += len(raw)
+    store._hot.delete(key)
+
+
+def _abandoned(store: MemoryStore, tenant: str, memory_id: str, version: int, writer: str, now: float) -> bool:
+    """Whether a write no head names is over (its writer was killed, or refused and killed
+    before it cleaned up), rather than in flight in another process."""
+    record = store._read_record(tenant, memory_id, version, writer)
+    return record is None or now - record.created_at > ORPHAN_GRACE_S
