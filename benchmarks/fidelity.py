@@ -25,19 +25,9 @@ its memories, as much as the built-in context's length, given as ``encode_contex
 counts the instances whose context holds the gold answer).
 
     python benchmarks/fidelity.py                      # 40 LoCoMo instances, ~40 min on 2 cores
-    python benchmarks/fidelity.py --datasets memorybank-exchanges,memorybank-facts --output benchmarks/results/fidelity_memorybank.json
-                                                       # robustness: MemoryBank exchanges and facts (KL only), 31 min
-    python benchmarks/fidelity.py --instances 120 --ratios 0.15 --no-ablations --output benchmarks/results/fidelity_120.json
-                                                       # the bar's conditions on 3x the sample, 58 min
     python benchmarks/fidelity.py --instances 240 --default-only --output benchmarks/results/fidelity_default_240.json
-                                                       # full recompute against the default blend only, on 6x the
-                                                       # sample (the data yields 332), for the contains-answer gap, 71 min
-    python benchmarks/fidelity.py --instances 120 --default-only --recompute-window 4096 --output benchmarks/results/fidelity_window4096_120.json
-                                                       # the default blend with no recompute window (these prompts are
-                                                       # shorter than 4096 tokens), 34 min
-    python benchmarks/fidelity.py --instances 240 --curve --ratios 0.3,0.5 --recompute-window 4096 --output benchmarks/results/fidelity_curve_240.json
-                                                       # contains-answer against the share recomputed: the blend at
-                                                       # 30 % and 50 % with no window, each with its own answers
+
+(every published run's command: ``docs/benchmarks/fidelity.md``)
 
     python benchmarks/fidelity.py --report benchmarks/results/fidelity_default_240.json --parts 40,120
                                                        # run nothing: the paired comparison of a results file
@@ -102,7 +92,8 @@ def logprob_drops(
     index = torch.arange(len(answer_ids))
     drop = reference[index, answer_ids] - other[index, answer_ids]
     mask = torch.tensor(copied)
-    return tuple(float(drop[kind].mean()) if bool(kind.any()) else None for kind in (mask, ~mask))
+    copied_drop, other_drop = (float(drop[kind].mean()) if bool(kind.any()) else None for kind in (mask, ~mask))
+    return copied_drop, other_drop
 
 
 def mean_of_known(values) -> float | None:
@@ -144,7 +135,16 @@ OWN_CONTEXT = "own-conversation context"
 
 
 def run_dataset(
-    engine, ablations, instances, ratios, default_ratio, generate, max_new_tokens, seed, own_context=False, default_only=False,
+    engine,
+    ablations,
+    instances,
+    ratios,
+    default_ratio,
+    generate,
+    max_new_tokens,
+    seed,
+    own_context=False,
+    default_only=False,
     curve=False,
 ):
     default = f"blend@{default_ratio:g}"
@@ -155,13 +155,17 @@ def run_dataset(
         conditions = [default]
     else:
         ratios = sorted(set(ratios) | {default_ratio})
-        conditions = ["reorder", "shift"] + [f"blend@{r:g}" for r in ratios] + [f"blend@default, {a}" for a in ablations]
+        conditions = (
+            ["reorder", "shift"] + [f"blend@{r:g}" for r in ratios] + [f"blend@default, {a}" for a in ablations]
+        )
     # Answers are generated (exact match, contains-answer) for the conditions a user meets and for
     # every ratio the fidelity bar allows (at most 15 %: candidates for the default); the others
     # are scored only (KL, top-1), which is what the recompute curve needs. ``curve`` generates
     # at every ratio: contains-answer against the share recomputed.
     allowed = {f"blend@{r:g}" for r in ratios if r <= 0.15 or curve}
-    generated = ({"reorder", "shift", default} | {f"blend@default, {a}" for a in ablations} | allowed) if generate else set()
+    generated = (
+        ({"reorder", "shift", default} | {f"blend@default, {a}" for a in ablations} | allowed) if generate else set()
+    )
     rows = {name: [] for name in ["none", *conditions]}  # "none": the reference answers
     accuracy = {name: [] for name in ["none", *conditions]}
     leaks: list[dict] = []
@@ -178,12 +182,20 @@ def run_dataset(
         if not answer_ids:
             continue
         accuracy["none"].append(contains(instance.answer, reference.text))
-        rows["none"].append({"question": instance.question, "expected": instance.answer,
-                             "answer": reference.text, "contains": accuracy["none"][-1]})
+        rows["none"].append(
+            {
+                "question": instance.question,
+                "expected": instance.answer,
+                "answer": reference.text,
+                "contains": accuracy["none"][-1],
+            }
+        )
         full = engine.score(messages, memories, answer_ids, reuse="none", return_distributions=True).distributions
         encode = engine.tokenizer.encode
         copied = copied_positions(
-            answer_ids, [encode(m, add_special_tokens=False) for m in memories], encode(instance.question, add_special_tokens=False)
+            answer_ids,
+            [encode(m, add_special_tokens=False) for m in memories],
+            encode(instance.question, add_special_tokens=False),
         )
         shuffled = list(memories)
         random.Random(f"{seed}:{index}").shuffle(shuffled)
@@ -196,7 +208,12 @@ def run_dataset(
             elif name == "shift":
                 run_engine, run_memories, reuse, ratio = engine, memories, "blend", 0.0
             elif name.startswith("blend@default, "):
-                run_engine, run_memories, reuse, ratio = ablations[name.split(", ")[1]], memories, "blend", default_ratio
+                run_engine, run_memories, reuse, ratio = (
+                    ablations[name.split(", ")[1]],
+                    memories,
+                    "blend",
+                    default_ratio,
+                )
             else:
                 run_engine, run_memories, reuse, ratio = engine, memories, "blend", float(name.split("@")[1])
             run_engine.clear_cache(fragments=False)  # no prompt may be reused from another condition
@@ -205,32 +222,60 @@ def run_dataset(
                 # before the question, whatever earlier instances left in the pool.
                 run_engine.warm(run_memories, messages, encode_context=context)
             scored = run_engine.score(
-                messages, run_memories, answer_ids, reuse=reuse, recompute_ratio=ratio, return_distributions=True, encode_context=context
+                messages,
+                run_memories,
+                answer_ids,
+                reuse=reuse,
+                recompute_ratio=ratio,
+                return_distributions=True,
+                encode_context=context,
             )
             kl, top1 = kl_and_top1(full, scored.distributions)
             copy_drop, other_drop = logprob_drops(full, scored.distributions, answer_ids, copied)
-            row = {"kl": kl, "top1": top1, "recomputed": scored.stats.recomputed_tokens, "copy_drop": copy_drop, "other_drop": other_drop}
+            row = {
+                "kl": kl,
+                "top1": top1,
+                "recomputed": scored.stats.recomputed_tokens,
+                "copy_drop": copy_drop,
+                "other_drop": other_drop,
+            }
             if name in generated:
                 run_engine.clear_cache(fragments=False)
                 own = run_engine.generate(
-                    messages, run_memories, reuse=reuse, recompute_ratio=ratio, max_new_tokens=max_new_tokens, encode_context=context
+                    messages,
+                    run_memories,
+                    reuse=reuse,
+                    recompute_ratio=ratio,
+                    max_new_tokens=max_new_tokens,
+                    encode_context=context,
                 )
                 row["exact"] = own.token_ids == reference.token_ids
                 accuracy[name].append(contains(instance.answer, own.text))
                 row.update(answer=own.text, contains=accuracy[name][-1])
-                if run_engine is not ablations.get("no encode context") and reuse == "blend" and context is None:  # these read fragments encoded after it
-                    leaked = {n for n in names if n in own.text and n not in reference.text and all(n not in m for m in memories)}
+                if (
+                    run_engine is not ablations.get("no encode context") and reuse == "blend" and context is None
+                ):  # these read fragments encoded after it
+                    leaked = {
+                        n
+                        for n in names
+                        if n in own.text and n not in reference.text and all(n not in m for m in memories)
+                    }
                     prompt_words = words_of(" ".join([reference.text, instance.question, *memories]))
                     leaked |= (story & words_of(own.text)) - prompt_words
                     if leaked:
-                        leaks.append({"instance": index, "condition": name, "words": sorted(leaked), "answer": own.text})
+                        leaks.append(
+                            {"instance": index, "condition": name, "words": sorted(leaked), "answer": own.text}
+                        )
             rows[name].append(row)
-        layout, *_ = engine._plan(messages, memories, "blend", 0.0, 1)
+        layout = engine.plan(messages, memories, reuse="blend", recompute_ratio=0.0).layout
         span_tokens = sum(span.end - span.start for span in layout.fragments)
         for name in conditions:
             rows[name][-1]["recomputed_share"] = rows[name][-1]["recomputed"] / span_tokens
-        print(f"  [{index + 1}/{len(instances)}] {instance.question[:60]!r}: "
-              + ", ".join(f"{n.replace('blend@default, ', '')} {rows[n][-1]['kl']:.3f}" for n in conditions), flush=True)
+        print(
+            f"  [{index + 1}/{len(instances)}] {instance.question[:60]!r}: "
+            + ", ".join(f"{n.replace('blend@default, ', '')} {rows[n][-1]['kl']:.3f}" for n in conditions),
+            flush=True,
+        )
 
     summary = {}
     for name in conditions:
@@ -246,8 +291,13 @@ def run_dataset(
             summary[name]["exact_match"] = statistics.fmean(r["exact"] for r in items)
             summary[name]["contains_answer"] = statistics.fmean(accuracy[name]) if accuracy[name] else None
     if generate:
-        summary["none"] = {"mean_kl": 0.0, "top1": 1.0, "recomputed_share": 0.0, "exact_match": 1.0,
-                           "contains_answer": statistics.fmean(accuracy["none"]) if accuracy["none"] else None}
+        summary["none"] = {
+            "mean_kl": 0.0,
+            "top1": 1.0,
+            "recomputed_share": 0.0,
+            "exact_match": 1.0,
+            "contains_answer": statistics.fmean(accuracy["none"]) if accuracy["none"] else None,
+        }
         summary["_encode_context_leaks"] = leaks
     if own_context:
         summary["_own_contexts_holding_the_answer"] = contexts_with_answer
@@ -256,7 +306,10 @@ def run_dataset(
 
 def print_table(title: str, summary: dict) -> None:
     print(f"\n{title}")
-    header = f"{'condition':<42} {'mean KL':>8} {'top-1':>6} {'exact':>6} {'contains':>8} {'recomputed':>10} {'copy Δ':>7} {'other Δ':>7}"
+    header = (
+        f"{'condition':<42} {'mean KL':>8} {'top-1':>6} {'exact':>6} {'contains':>8} {'recomputed':>10} "
+        f"{'copy Δ':>7} {'other Δ':>7}"
+    )
     print(header)
     print("-" * len(header))
     for name, s in summary.items():
@@ -264,8 +317,14 @@ def print_table(title: str, summary: dict) -> None:
             continue
         exact = f"{s['exact_match']:.2f}" if "exact_match" in s else "-"
         acc = f"{s['contains_answer']:.2f}" if s.get("contains_answer") is not None else "-"
-        drops = " ".join(f"{s[k]:>7.3f}" if s.get(k) is not None else f"{'-':>7}" for k in ("copy_logprob_drop", "other_logprob_drop"))
-        print(f"{name:<42} {s['mean_kl']:>8.4f} {s['top1']:>6.3f} {exact:>6} {acc:>8} {s['recomputed_share']:>9.1%} {drops}")
+        drops = " ".join(
+            f"{s[k]:>7.3f}" if s.get(k) is not None else f"{'-':>7}"
+            for k in ("copy_logprob_drop", "other_logprob_drop")
+        )
+        print(
+            f"{name:<42} {s['mean_kl']:>8.4f} {s['top1']:>6.3f} {exact:>6} {acc:>8} "
+            f"{s['recomputed_share']:>9.1%} {drops}"
+        )
 
 
 TRANSCRIPT_OPENING = re.compile(r"^[A-Z][a-z]+:")
@@ -297,7 +356,11 @@ def print_copy_drops(rows: dict, title: str = "", resamples: int = 5000) -> None
         if not both:
             continue
         cells = []
-        for values in ([r["copy_drop"] for r in both], [r["other_drop"] for r in both], [r["copy_drop"] - r["other_drop"] for r in both]):
+        for values in (
+            [r["copy_drop"] for r in both],
+            [r["other_drop"] for r in both],
+            [r["copy_drop"] - r["other_drop"] for r in both],
+        ):
             low, high = bootstrap_interval(values, resamples)
             cells.append(f"{statistics.fmean(values):+.3f} [{low:+.3f}, {high:+.3f}]")
         print(f"{name:<42} {len(both):>9} " + " ".join(f"{c:>24}" for c in cells))
@@ -317,25 +380,35 @@ def print_paired(rows: dict, parts: list[int], title: str = "", resamples: int =
     bounds = [0, *[b for b in parts if 0 < b < total], total]
     ranges = list(itertools.pairwise(bounds))
     spans = [(0, total)] + (ranges if len(ranges) > 1 else [])
-    print(f"\n{title}\n{'condition':<28} {'instances':>10} {'mean KL':>8} {'top-1':>6} {'none':>5} {'cond':>5} {'gained':>6} "
-          f"{'lost':>5} {'sign p':>7} {'95% interval':>16} {'Name: none/cond':>16} {'plain both: n, none, cond':>26}")
+    print(
+        f"\n{title}\n{'condition':<28} {'instances':>10} {'mean KL':>8} {'top-1':>6} {'none':>5} {'cond':>5} "
+        f"{'gained':>6} "
+        f"{'lost':>5} {'sign p':>7} {'95% interval':>16} {'Name: none/cond':>16} {'plain both: n, none, cond':>26}"
+    )
     for name in generated:
         items = rows[name]
         for lo, hi in spans:
             ref, own = reference[lo:hi], items[lo:hi]
-            gained = sum(o["contains"] and not r["contains"] for r, o in zip(ref, own))
-            lost = sum(r["contains"] and not o["contains"] for r, o in zip(ref, own))
+            gained = sum(o["contains"] and not r["contains"] for r, o in zip(ref, own, strict=True))
+            lost = sum(r["contains"] and not o["contains"] for r, o in zip(ref, own, strict=True))
             differing = gained + lost
             sign_p = sum(math.comb(differing, k) for k in range(gained + 1)) / 2**differing if differing else 1.0
-            diffs = [int(o["contains"]) - int(r["contains"]) for r, o in zip(ref, own)]
+            diffs = [float(o["contains"]) - float(r["contains"]) for r, o in zip(ref, own, strict=True)]
             low, high = bootstrap_interval(diffs, resamples)
             interval = f"[{100 * low:+.1f}, {100 * high:+.1f}]"
-            plain = [(r, o) for r, o in zip(ref, own) if not continues_transcript(r["answer"]) and not continues_transcript(o["answer"])]
-            print(f"{name:<28} {f'{lo}-{hi}':>10} {statistics.fmean(o['kl'] for o in own):>8.4f} "
-                  f"{statistics.fmean(o['top1'] for o in own):>6.3f} {sum(r['contains'] for r in ref):>5} "
-                  f"{sum(o['contains'] for o in own):>5} {gained:>6} {lost:>5} {sign_p:>7.3f} {interval:>16} "
-                  f"{sum(continues_transcript(r['answer']) for r in ref):>7}/{sum(continues_transcript(o['answer']) for o in own):<8} "
-                  f"{len(plain):>12}, {sum(r['contains'] for r, _ in plain)}, {sum(o['contains'] for _, o in plain)}")
+            plain = [
+                (r, o)
+                for r, o in zip(ref, own, strict=False)
+                if not continues_transcript(r["answer"]) and not continues_transcript(o["answer"])
+            ]
+            print(
+                f"{name:<28} {f'{lo}-{hi}':>10} {statistics.fmean(o['kl'] for o in own):>8.4f} "
+                f"{statistics.fmean(o['top1'] for o in own):>6.3f} {sum(r['contains'] for r in ref):>5} "
+                f"{sum(o['contains'] for o in own):>5} {gained:>6} {lost:>5} {sign_p:>7.3f} {interval:>16} "
+                f"{sum(continues_transcript(r['answer']) for r in ref):>7}/"
+                f"{sum(continues_transcript(o['answer']) for o in own):<8} "
+                f"{len(plain):>12}, {sum(r['contains'] for r, _ in plain)}, {sum(o['contains'] for _, o in plain)}"
+            )
 
 
 def main() -> None:
@@ -345,14 +418,17 @@ def main() -> None:
     parser.add_argument("--ratios", default="0.05,0.10,0.15,0.30")
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument(
-        "--datasets", default="locomo", help=f"comma-separated, of {', '.join(DATASETS)} (MemoryBank: KL only, no generation)"
+        "--datasets",
+        default="locomo",
+        help=f"comma-separated, of {', '.join(DATASETS)} (MemoryBank: KL only, no generation)",
     )
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--no-own-context", action="store_true", help="leave out the own-conversation context row")
     parser.add_argument(
         "--no-ablations",
         action="store_true",
-        help="leave out the rows that turn an engine feature off, and the own-conversation context (more instances per hour)",
+        help="leave out the rows that turn an engine feature off, and the own-conversation context "
+        "(more instances per hour)",
     )
     parser.add_argument(
         "--default-only",
@@ -370,9 +446,14 @@ def main() -> None:
     )
     parser.add_argument("--output", type=Path, default=RESULTS / "fidelity.json")
     parser.add_argument(
-        "--report", type=Path, help="run nothing: print the paired comparisons (contains-answer, copy and other Δ) of a results JSON this script wrote"
+        "--report",
+        type=Path,
+        help="run nothing: print the paired comparisons (contains-answer, copy and other Δ) "
+        "of a results JSON this script wrote",
     )
-    parser.add_argument("--parts", default="", help="with --report: comma-separated instance boundaries to report ranges too")
+    parser.add_argument(
+        "--parts", default="", help="with --report: comma-separated instance boundaries to report ranges too"
+    )
     args = parser.parse_args()
     if args.report:
         for name, result in json.loads(args.report.read_text())["datasets"].items():
@@ -423,14 +504,26 @@ def main() -> None:
         print(f"{name}: {len(instances)} instances", flush=True)
         own_context = name == "locomo" and not (args.no_own_context or args.no_ablations)
         summary, rows = run_dataset(
-            engine, ablations, instances, ratios, default_ratio, generate, args.max_new_tokens, args.seed, own_context, args.default_only,
+            engine,
+            ablations,
+            instances,
+            ratios,
+            default_ratio,
+            generate,
+            args.max_new_tokens,
+            args.seed,
+            own_context,
+            args.default_only,
             args.curve,
         )
         report["datasets"][name] = {"instances": len(instances), "summary": summary, "per_instance": rows}
         print_table(f"{name} ({len(instances)} instances, seed {args.seed})", summary)
         if generate:
             print_paired(rows, [], "paired against full recompute:")
-            print(f"answers naming something from the encode context the prompt lacks: {len(summary['_encode_context_leaks'])}")
+            print(
+                "answers naming something from the encode context the prompt lacks: "
+                f"{len(summary['_encode_context_leaks'])}"
+            )
         print_copy_drops(rows, "log-probability lost against full recompute (nats):")
         if "_own_contexts_holding_the_answer" in summary:
             print(f"own-conversation contexts holding the gold answer: {summary['_own_contexts_holding_the_answer']}")

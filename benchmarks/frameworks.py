@@ -23,6 +23,7 @@ import sys
 import tempfile
 import warnings
 from pathlib import Path
+from typing import Any
 
 import torch
 from langchain_core.callbacks import BaseCallbackHandler
@@ -82,7 +83,7 @@ class _ChatStats(BaseEventHandler):
 
     def handle(self, event, **kwargs) -> None:
         if self.active and isinstance(event, LLMChatEndEvent) and event.response is not None:
-            self.calls.append(event.response.raw["reuse_stats"])
+            self.calls.append((event.response.raw or {})["reuse_stats"])
 
 
 def langchain_run(folder: Path, reuse: str | None) -> list[dict]:
@@ -90,7 +91,9 @@ def langchain_run(folder: Path, reuse: str | None) -> list[dict]:
     with MemoryStore(folder) as store:
         # stored with their fragments encoded, as an AgentMemory or KVShiftMemory stores them
         KVShiftEngine.shared().warm(
-            [store.add(fact, tenant="alice", session_id="earlier") for fact in FACTS], lead_fragments=False, namespace="alice"
+            [store.add(fact, tenant="alice", session_id="earlier") for fact in FACTS],
+            lead_fragments=False,
+            namespace="alice",
         )
         llm = ChatKVShift(store=store, user_id="alice", max_tokens=20, reuse=reuse, callbacks=[stats])
         with warnings.catch_warnings():
@@ -123,7 +126,7 @@ def rows(reusing: list[dict], baseline: list[dict]) -> list[dict]:
             "ttft_s": mine["ttft_s"],
             "ttft_none_s": theirs["ttft_s"],
         }
-        for turn, (mine, theirs) in enumerate(zip(reusing, baseline), start=1)
+        for turn, (mine, theirs) in enumerate(zip(reusing, baseline, strict=False), start=1)
     ]
 
 
@@ -133,15 +136,17 @@ def main() -> None:
     engine.generate("Hello!", max_new_tokens=4)  # warm-up: neither run pays for the first call
     handler = _ChatStats()
     get_dispatcher().add_event_handler(handler)
-    report = {
+    report: dict[str, Any] = {
         "command": " ".join(["python", *sys.argv]),
         "model": "SmolLM2-135M-Instruct (bundled, fp32)",
         "threads": 2,
         "machine": f"{platform.machine()} torch {torch.__version__}",
     }
-    with tempfile.TemporaryDirectory() as scratch:
-        scratch = Path(scratch)
-        report["langchain_conversation_chain"] = rows(langchain_run(scratch / "lc", None), langchain_run(scratch / "lc-none", "none"))
+    with tempfile.TemporaryDirectory() as scratch_name:
+        scratch = Path(scratch_name)
+        report["langchain_conversation_chain"] = rows(
+            langchain_run(scratch / "lc", None), langchain_run(scratch / "lc-none", "none")
+        )
         report["llama_index_simple_chat_engine"] = rows(
             llama_index_run(scratch / "li", None, handler), llama_index_run(scratch / "li-none", "none", handler)
         )

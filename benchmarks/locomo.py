@@ -100,7 +100,9 @@ def ingest(engine, store, sample: dict, settings: AgentSettings) -> dict:
     started = time.perf_counter()
     turns = 0
     for number, session in sessions(sample["conversation"]):
-        agent = AgentMemory(engine, store, user_id=sample["sample_id"], session_id=f"session_{number}", settings=settings)
+        agent = AgentMemory(
+            engine, store, user_id=sample["sample_id"], session_id=f"session_{number}", settings=settings
+        )
         for turn in session:
             record = agent.observe(turn_text(turn))
             turns += 1
@@ -123,7 +125,7 @@ def transcript(engine, sample: dict, budget: int) -> str:
     """The most recent turns of the conversation that fit ``budget`` tokens."""
     lines: list[str] = []
     used = 0
-    for number, session in reversed(sessions(sample["conversation"])):
+    for _number, session in reversed(sessions(sample["conversation"])):
         for turn in reversed(session):
             line = turn_text(turn)
             cost = engine.count_tokens(line) + 1
@@ -152,8 +154,12 @@ def main() -> None:
     overrides = {} if args.min_recompute_tokens is None else {"min_recompute_tokens": args.min_recompute_tokens}
     engine = KVShiftEngine.from_pretrained(**overrides)
     # ingested as the asking setting will read it: the blend's fragments are encoded on archive
-    settings = AgentSettings(system_prompt=SYSTEM_PROMPT, recall_k=args.k, max_new_tokens=args.max_new_tokens, reuse=args.reuse)
-    asking = AgentSettings(system_prompt=SYSTEM_PROMPT, recall_k=args.k, max_new_tokens=args.max_new_tokens, write_back=False)
+    settings = AgentSettings(
+        system_prompt=SYSTEM_PROMPT, recall_k=args.k, max_new_tokens=args.max_new_tokens, reuse=args.reuse
+    )
+    asking = AgentSettings(
+        system_prompt=SYSTEM_PROMPT, recall_k=args.k, max_new_tokens=args.max_new_tokens, write_back=False
+    )
     if args.recompute_ratio is not None:
         asking = replace(asking, recompute_ratio=args.recompute_ratio)
     report: dict = {
@@ -207,7 +213,12 @@ def main() -> None:
                     # each pays its own query embedding (the embedder keeps recent queries' vectors)
                     store.clear_cache()
                     agent = AgentMemory(
-                        engine, store, user_id=sample_id, session_id=f"{condition}-q{index}", settings=asking, reuse=reuse
+                        engine,
+                        store,
+                        user_id=sample_id,
+                        session_id=f"{condition}-q{index}",
+                        settings=asking,
+                        reuse=reuse,
                     )
                     reply = agent.chat(qa["question"])
                     recalled = reply.recalled
@@ -249,12 +260,14 @@ def main() -> None:
         if condition in ("rag", "kvshift"):
             summary[condition]["session_recall_at_k"] = statistics.mean(row[condition]["session_hit"] for row in rows)
             summary[condition]["turn_recall_at_k"] = statistics.mean(row[condition]["turn_hit"] for row in rows)
-            summary[condition]["engine_ttft_median_s"] = statistics.median(row[condition]["engine_ttft_s"] for row in rows)
+            summary[condition]["engine_ttft_median_s"] = statistics.median(
+                row[condition]["engine_ttft_s"] for row in rows
+            )
             summary[condition]["fragments_hit_mean"] = statistics.mean(row[condition]["fragments_hit"] for row in rows)
     summary["same_recall"] = statistics.mean(row["rag"]["recalled"] == row["kvshift"]["recalled"] for row in rows)
     # of the answers full recompute of the same recall gets right, the share KV reuse keeps
     right = [row for row in rows if row["rag"]["contains"]]
-    summary["retention_vs_rag"] = statistics.mean(row["kvshift"]["contains"] for row in right) if right else None
+    summary["retention_vs_rag"] = statistics.mean(row["kvshift"]["contains"] for row in right) if right else None  # type: ignore[assignment]
     summary["kvshift_ttft_speedup_vs_rag"] = summary["rag"]["ttft_median_s"] / summary["kvshift"]["ttft_median_s"]
     summary["learned_costs"] = {  # what the engine's cost model learned here (engine/costs.py)
         "pass_seconds_per_token": engine.costs.pass_token_s(),
@@ -262,15 +275,25 @@ def main() -> None:
     }
     report["summary"] = summary
     print(f"\n{len(rows)} questions; k = {args.k}; TTFT from the call, retrieval included (full: warm prefix)")
-    print(f"{'condition':>10} {'accuracy':>9} {'F1':>6} {'TTFT med':>9} {'recall@k sess':>14} {'turn':>6} {'frag hit':>9}")
+    print(
+        f"{'condition':>10} {'accuracy':>9} {'F1':>6} {'TTFT med':>9} {'recall@k sess':>14} {'turn':>6} {'frag hit':>9}"
+    )
     for condition in CONDITIONS:
         s = summary[condition]
-        recall = f"{s['session_recall_at_k']:14.3f} {s['turn_recall_at_k']:6.3f} {s['fragments_hit_mean']:9.2f}" if "session_recall_at_k" in s else ""
+        recall = (
+            f"{s['session_recall_at_k']:14.3f} {s['turn_recall_at_k']:6.3f} {s['fragments_hit_mean']:9.2f}"
+            if "session_recall_at_k" in s
+            else ""
+        )
         print(f"{condition:>10} {s['accuracy']:9.3f} {s['f1']:6.3f} {s['ttft_median_s'] * 1000:7.0f}ms {recall}")
-    print(f"kvshift TTFT {summary['kvshift_ttft_speedup_vs_rag']:.2f}x lower than text RAG at the median; same recall in {summary['same_recall']:.0%}")
+    print(
+        f"kvshift TTFT {summary['kvshift_ttft_speedup_vs_rag']:.2f}x lower than text RAG at the median; "
+        f"same recall in {summary['same_recall']:.0%}"
+    )
     if summary["retention_vs_rag"] is not None:
         print(
-            f"answer retention of kvshift ({args.reuse}, recompute_ratio {asking.recompute_ratio}) against the same recall with "
+            f"answer retention of kvshift ({args.reuse}, recompute_ratio {asking.recompute_ratio}) "
+            "against the same recall with "
             f"reuse='none': {summary['retention_vs_rag']:.3f} of {len(right)} right answers kept"
         )
     costs = summary["learned_costs"]

@@ -35,8 +35,10 @@ from benchdata import locomo_dir, write_report  # noqa: E402
 from locomo import sessions, turn_text  # noqa: E402
 
 from kvshift_memory import MemoryStore  # noqa: E402
-from kvshift_memory.agent.memory import _archived_text  # noqa: E402
-from kvshift_memory.agent.writeback import WriteBackModel  # noqa: E402
+from kvshift_memory.adapters import (
+    WriteBackModel,  # noqa: E402
+    archived_text,  # noqa: E402
+)
 from kvshift_memory.embedding import MiniLMEmbedder  # noqa: E402
 
 RESULTS = HERE / "results"
@@ -53,13 +55,16 @@ def main() -> None:
     data = json.loads((locomo_dir() / "locomo10.json").read_text())
     questions = json.loads((locomo_dir() / "derived" / "locomo_cat4_extractive_short.json").read_text())
     rule, embedder = WriteBackModel.bundled(), MiniLMEmbedder()
-    hits = {weight: {"session": [], "turn": []} for weight in WEIGHTS}
+    hits: dict[float, dict[str, list[bool]]] = {weight: {"session": [], "turn": []} for weight in WEIGHTS}
     archived_total = turns_total = 0
     for sample in data:
         asked = [q for q in questions if q["sample_id"] == sample["sample_id"]]
         if not asked:
             continue
-        stores = {weight: MemoryStore(kv_url="memory://", index_url=":memory:", embedder=embedder, keyword_weight=weight) for weight in WEIGHTS}
+        stores = {
+            weight: MemoryStore(kv_url="memory://", index_url=":memory:", embedder=embedder, keyword_weight=weight)
+            for weight in WEIGHTS
+        }
         dia_of: dict[tuple[float, str], str] = {}
         previous = ""
         for number, session in sessions(sample["conversation"]):
@@ -69,7 +74,7 @@ def main() -> None:
                 if rule.decide(rule.importance(text, previous)) == "archive":
                     archived_total += 1
                     for weight, store in stores.items():
-                        record = store.add(_archived_text(text, previous), tenant="u", session_id=f"session_{number}")
+                        record = store.add(archived_text(text, previous), tenant="u", session_id=f"session_{number}")
                         dia_of[(weight, record.id)] = turn["dia_id"]
                 previous = text
         for qa in asked:

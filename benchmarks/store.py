@@ -87,8 +87,10 @@ def ttft(engine: KVShiftEngine, records: list, reuse: str, cold_store: MemorySto
 def part_sizes(engine, embedder, sizes, repeats, redis_url, report) -> None:
     pool = [m for instance in build_instances(60, engine.count_tokens, seed=11) for m in instance.memories]
     pool = list(dict.fromkeys(pool))
-    print(f"{'codec':>6} {'tokens':>6} {'B/token':>8} {'x fp32':>6} {'hot':>8} {'disk':>8} {'redis':>8}"
-          f" {'ttft pool':>9} {'ttft disk':>9} {'added':>7} {'recompute':>9}")
+    print(
+        f"{'codec':>6} {'tokens':>6} {'B/token':>8} {'x fp32':>6} {'hot':>8} {'disk':>8} {'redis':>8}"
+        f" {'ttft pool':>9} {'ttft disk':>9} {'added':>7} {'recompute':>9}"
+    )
     with tempfile.TemporaryDirectory() as folder:
         for codec in CODECS:
             disk = MemoryStore(Path(folder) / codec, embedder=embedder, codec=codec, index_url=":memory:")
@@ -106,7 +108,11 @@ def part_sizes(engine, embedder, sizes, repeats, redis_url, report) -> None:
                     measured = {
                         "hot": fetch_seconds(engine, disk, disk_records, from_hot=True),
                         "disk": fetch_seconds(engine, disk, disk_records, from_hot=False),
-                        "redis": fetch_seconds(engine, redis, redis_records, from_hot=False) if redis else float("nan"),
+                        "redis": (
+                            fetch_seconds(engine, redis, redis_records, from_hot=False)
+                            if redis and redis_records is not None
+                            else float("nan")
+                        ),
                         "pool": ttft(engine, disk_records, "blend", None),
                         "cold": ttft(engine, disk_records, "blend", disk),
                         "none": ttft(engine, disk_records, "none", None),
@@ -115,7 +121,9 @@ def part_sizes(engine, embedder, sizes, repeats, redis_url, report) -> None:
                         for key, value in measured.items():
                             runs[key].append(value)
                 medians = {k: statistics.median(v) for k, v in runs.items()}
-                row.update(median_s=medians, runs_s=runs, repeats=repeats, added_ttft_s=medians["cold"] - medians["pool"])
+                row.update(
+                    median_s=medians, runs_s=runs, repeats=repeats, added_ttft_s=medians["cold"] - medians["pool"]
+                )
                 report["sizes"].setdefault(codec, {})[str(size)] = row
                 fp32 = report["sizes"]["fp32"][str(size)]["bytes_per_token"]
                 row["ratio_to_fp32"] = row["bytes_per_token"] / fp32
@@ -141,17 +149,31 @@ def part_fidelity(engine, embedder, count, report) -> None:
         # the fp32 fragments are encoded once (here) and stored in every codec: one store each
         engine.clear_cache()
         engine.warm(list(instance.memories), QUESTION)
-        stores = {codec: MemoryStore(kv_url="memory://", embedder=embedder, codec=codec, index_url=":memory:")
-                  for codec in CODECS[1:]}
+        stores = {
+            codec: MemoryStore(kv_url="memory://", embedder=embedder, codec=codec, index_url=":memory:")
+            for codec in CODECS[1:]
+        }
         records = {codec: fill(store, engine, list(instance.memories)) for codec, store in stores.items()}
         for condition, ratio in conditions.items():
             engine.clear_cache()
-            reference = engine.score(instance.question, list(instance.memories), continuation, reuse="blend",
-                                     recompute_ratio=ratio, return_distributions=True).distributions
+            reference = engine.score(
+                instance.question,
+                list(instance.memories),
+                continuation,
+                reuse="blend",
+                recompute_ratio=ratio,
+                return_distributions=True,
+            ).distributions
             for codec in CODECS[1:]:
                 engine.clear_cache()
-                result = engine.score(instance.question, records[codec], continuation, reuse="blend",
-                                      recompute_ratio=ratio, return_distributions=True)
+                result = engine.score(
+                    instance.question,
+                    records[codec],
+                    continuation,
+                    reuse="blend",
+                    recompute_ratio=ratio,
+                    return_distributions=True,
+                )
                 assert result.stats.fragments_loaded == len(records[codec]), result.stats
                 scores[condition][codec].append(kl_and_top1(reference, result.distributions))
         for store in stores.values():
@@ -161,20 +183,27 @@ def part_fidelity(engine, embedder, count, report) -> None:
     summary = {}
     for codec in CODECS[1:]:
         summary[codec] = {
-            c: {"mean_kl": statistics.fmean(k for k, _ in scores[c][codec]),
-                "top1": statistics.fmean(t for _, t in scores[c][codec])}
+            c: {
+                "mean_kl": statistics.fmean(k for k, _ in scores[c][codec]),
+                "top1": statistics.fmean(t for _, t in scores[c][codec]),
+            }
             for c in conditions
         }
-        print(f"{codec:>6} " + " ".join(f"{summary[codec][c]['mean_kl']:>12.5f} {summary[codec][c]['top1']:>11.3f}"
-                                        for c in conditions))
+        print(
+            f"{codec:>6} "
+            + " ".join(f"{summary[codec][c]['mean_kl']:>12.5f} {summary[codec][c]['top1']:>11.3f}" for c in conditions)
+        )
     report["fidelity"] = {"instances": len(instances), "against": "fp32 fragments, same reuse", "codecs": summary}
 
 
 def part_search(embedder, sizes, repeats, report) -> None:
     """Search latency of the embedded store (disk tier + local Qdrant folder) as it grows."""
     turns = locomo_turns(max(sizes))
-    queries = [f"What did {name} say about {topic}?" for name in ("Caroline", "Melanie", "Jon", "Gina")
-               for topic in ("painting", "the conference", "her family", "running")]
+    queries = [
+        f"What did {name} say about {topic}?"
+        for name in ("Caroline", "Melanie", "Jon", "Gina")
+        for topic in ("painting", "the conference", "her family", "running")
+    ]
     print(f"\n{'memories':>8} {'add':>8} {'search, folder held':>20} {'search, folder reopened':>24} {'embed':>7}")
     rows = {}
     with tempfile.TemporaryDirectory() as folder:
@@ -199,14 +228,24 @@ def part_search(embedder, sizes, repeats, report) -> None:
                 started = time.perf_counter()
                 embedder.embed([query])
                 embed.append(time.perf_counter() - started)
-            row = {"add_s": add_s, "search_held_s": statistics.median(held),
-                   "search_reopened_s": statistics.median(reopened), "embed_s": statistics.median(embed)}
+            row = {
+                "add_s": add_s,
+                "search_held_s": statistics.median(held),
+                "search_reopened_s": statistics.median(reopened),
+                "embed_s": statistics.median(embed),
+            }
             rows[str(size)] = row
-            print(f"{size:>8} {add_s * 1e3:>6.1f}ms {row['search_held_s'] * 1e3:>18.1f}ms"
-                  f" {row['search_reopened_s'] * 1e3:>22.1f}ms {row['embed_s'] * 1e3:>5.1f}ms", flush=True)
+            print(
+                f"{size:>8} {add_s * 1e3:>6.1f}ms {row['search_held_s'] * 1e3:>18.1f}ms"
+                f" {row['search_reopened_s'] * 1e3:>22.1f}ms {row['embed_s'] * 1e3:>5.1f}ms",
+                flush=True,
+            )
         store.close()
-    report["search"] = {"memories": "LoCoMo dialogue turns, one memory each", "queries": len(queries[: repeats * 3]),
-                        "sizes": rows}
+    report["search"] = {
+        "memories": "LoCoMo dialogue turns, one memory each",
+        "queries": len(queries[: repeats * 3]),
+        "sizes": rows,
+    }
 
 
 def main() -> None:
@@ -216,7 +255,9 @@ def main() -> None:
     parser.add_argument("--instances", type=int, default=20)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--redis-url", default=None, help="default: start a throwaway redis-server")
-    parser.add_argument("--parts", default="sizes,fidelity,search", help="which parts to run (others keep their results)")
+    parser.add_argument(
+        "--parts", default="sizes,fidelity,search", help="which parts to run (others keep their results)"
+    )
     parser.add_argument("--search-sizes", default="500,2000,5000")
     parser.add_argument("--output", type=Path, default=RESULTS / "store.json")
     args = parser.parse_args()
@@ -227,12 +268,14 @@ def main() -> None:
     # a run of some parts keeps the other parts' results from an earlier run in the same file
     report = json.loads(args.output.read_text()) if args.output.exists() else {}
     command = " ".join(["python", *sys.argv])
-    report.update({
-        "model": "SmolLM2-135M-Instruct (bundled, fp32)",
-        "threads": args.threads,
-        "recompute_ratio": engine.settings.recompute_ratio,
-        "machine": f"{platform.machine()} {platform.processor() or ''} torch {torch.__version__}",
-    })
+    report.update(
+        {
+            "model": "SmolLM2-135M-Instruct (bundled, fp32)",
+            "threads": args.threads,
+            "recompute_ratio": engine.settings.recompute_ratio,
+            "machine": f"{platform.machine()} {platform.processor() or ''} torch {torch.__version__}",
+        }
+    )
     with contextlib.ExitStack() as stack:
         redis_url = args.redis_url
         if redis_url is None:

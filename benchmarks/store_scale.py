@@ -76,7 +76,9 @@ def first_search(folder: Path) -> float:
         "started = time.perf_counter(); store.search(sys.argv[2], tenant=sys.argv[3]); "
         "print(time.perf_counter() - started)"
     )
-    out = subprocess.run([sys.executable, "-c", code, str(folder), QUERIES[0], TENANT], capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", code, str(folder), QUERIES[0], TENANT], capture_output=True, text=True, check=True
+    )
     return float(out.stdout.strip().splitlines()[-1])
 
 

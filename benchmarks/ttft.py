@@ -38,7 +38,9 @@ from benchdata import build_instances  # noqa: E402
 from kvshift_memory import KVShiftEngine  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
-QUESTION = "Looking back over everything we talked about, what did Evan and his partner try on the weekend, and how did it go?"
+QUESTION = (
+    "Looking back over everything we talked about, what did Evan and his partner try on the weekend, and how did it go?"
+)
 WARMING_QUESTION = "What is the first thing we talked about in these memories?"
 
 
@@ -79,7 +81,9 @@ def main() -> None:
         "--recompute-window", type=int, default=None, help="EngineSettings.recompute_window (default: the engine's)"
     )
     parser.add_argument("--no-pack-weights", action="store_true", help="EngineSettings.pack_weights=False (an A/B)")
-    parser.add_argument("--no-keep-freed-memory", action="store_true", help="EngineSettings.keep_freed_memory=False (an A/B)")
+    parser.add_argument(
+        "--no-keep-freed-memory", action="store_true", help="EngineSettings.keep_freed_memory=False (an A/B)"
+    )
     parser.add_argument("--output", type=Path, default=RESULTS / "ttft.json")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)

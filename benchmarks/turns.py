@@ -22,6 +22,7 @@ import statistics
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -48,20 +49,27 @@ def main() -> None:
     torch.set_num_threads(2)
     sample = next(s for s in json.loads((locomo_dir() / "locomo10.json").read_text()) if s["sample_id"] == args.sample)
     speaker = sample["conversation"]["speaker_a"]
-    messages = [t["text"] for _, session in sessions(sample["conversation"]) for t in session if t["speaker"] == speaker]
+    messages = [
+        t["text"] for _, session in sessions(sample["conversation"]) for t in session if t["speaker"] == speaker
+    ]
     messages = messages[: args.turns]
     engine = KVShiftEngine.from_pretrained()
     rows = []
     with tempfile.TemporaryDirectory() as folder, MemoryStore(folder) as store:
         agents = {
             reuse: AgentMemory(
-                engine, store, user_id=f"user-{reuse}", session_id="long", reuse=reuse,
-                window_tokens=args.window_tokens, max_new_tokens=args.max_new_tokens,
+                engine,
+                store,
+                user_id=f"user-{reuse}",
+                session_id="long",
+                reuse=reuse,
+                window_tokens=args.window_tokens,
+                max_new_tokens=args.max_new_tokens,
             )
             for reuse in ("blend", "none")
         }
         for number, message in enumerate(messages, start=1):
-            row = {"turn": number}
+            row: dict[str, Any] = {"turn": number}
             for reuse, agent in agents.items():  # blend first: "none" would leave its exact prompt cached
                 reply = agent.chat(message)
                 s = reply.stats
@@ -76,7 +84,8 @@ def main() -> None:
             rows.append(row)
             b, n = row["blend"], row["none"]
             print(
-                f"turn {number:3d}  prompt {b['prompt_tokens']:5d}  computed {b['computed_tokens']:4d}  shifted {b['shifted_tokens']:4d}"
+                f"turn {number:3d}  prompt {b['prompt_tokens']:5d}  computed {b['computed_tokens']:4d}  "
+                f"shifted {b['shifted_tokens']:4d}"
                 f"{'  (window shifted)' if b['evicted_turns'] else '':18}  TTFT blend {b['ttft_s'] * 1000:5.0f} ms  "
                 f"none {n['ttft_s'] * 1000:6.0f} ms  {n['ttft_s'] / b['ttft_s']:5.1f}x"
             )
@@ -84,7 +93,9 @@ def main() -> None:
     summary = {
         "median_ttft_blend_s": statistics.median(r["blend"]["ttft_s"] for r in later),
         "median_ttft_none_s": statistics.median(r["none"]["ttft_s"] for r in later),
-        "median_reused_share": statistics.median(1 - r["blend"]["computed_tokens"] / r["blend"]["prompt_tokens"] for r in later),
+        "median_reused_share": statistics.median(
+            1 - r["blend"]["computed_tokens"] / r["blend"]["prompt_tokens"] for r in later
+        ),
         "window_shifts": sum(1 for r in rows if r["blend"]["evicted_turns"]),
         "first_half_median_ttft_blend_s": statistics.median(r["blend"]["ttft_s"] for r in later[: len(later) // 2]),
         "second_half_median_ttft_blend_s": statistics.median(r["blend"]["ttft_s"] for r in later[len(later) // 2 :]),
@@ -93,8 +104,10 @@ def main() -> None:
     print(
         f"\nfrom turn 5 on: blend TTFT median {summary['median_ttft_blend_s'] * 1000:.0f} ms "
         f"(first half {summary['first_half_median_ttft_blend_s'] * 1000:.0f}, second half "
-        f"{summary['second_half_median_ttft_blend_s'] * 1000:.0f}), none {summary['median_ttft_none_s'] * 1000:.0f} ms; "
-        f"{summary['median_reused_share']:.1%} of the prompt reused at the median; the window shifted {summary['window_shifts']} times"
+        f"{summary['second_half_median_ttft_blend_s'] * 1000:.0f}), "
+        f"none {summary['median_ttft_none_s'] * 1000:.0f} ms; "
+        f"{summary['median_reused_share']:.1%} of the prompt reused at the median; "
+        f"the window shifted {summary['window_shifts']} times"
     )
     write_report(args.output, report)
 

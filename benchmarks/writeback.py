@@ -53,7 +53,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from benchdata import data_dir, locomo_dir, write_report  # noqa: E402
 
-from kvshift_memory.agent.writeback import FEATURES, WriteBackModel, turn_features  # noqa: E402
+from kvshift_memory.adapters import FEATURES, WriteBackModel, turn_features  # noqa: E402
 
 RESULTS = HERE / "results"
 DATA = HERE / "data"
@@ -103,7 +103,7 @@ def memorybank_rows() -> list[tuple[str, str, str, bool]]:
         if line.strip():
             questions.update(json.loads(line))
     embedder = MiniLMEmbedder()
-    rows = []
+    rows: list[tuple[str, str, str, bool]] = []
     for name in sorted(users):
         turns, previous = [], ""
         for _, day in sorted(users[name]["history"].items()):
@@ -198,9 +198,12 @@ def classify(args: argparse.Namespace, report: dict) -> WriteBackModel:
             f"conversations 1-{LOCOMO_FIT_CONVERSATIONS}, each source weighted equally"
         ),
         "held_out": {
-            "own": f"{int(held_facts.sum())} facts and {int((~held_facts).sum())} small-talk turns of heldout_turns.txt",
-            "locomo": f"{len(lo_held)} turns ({int(lo_y.sum())} evidence) of conversations {LOCOMO_FIT_CONVERSATIONS + 1}-10",
-            "memorybank": f"{len(memorybank)} user turns of {len({r[0] for r in memorybank})} users ({int(mb_y.sum())} silver evidence)",
+            "own": f"{int(held_facts.sum())} facts and {int((~held_facts).sum())} small-talk turns "
+            "of heldout_turns.txt",
+            "locomo": f"{len(lo_held)} turns ({int(lo_y.sum())} evidence) "
+            f"of conversations {LOCOMO_FIT_CONVERSATIONS + 1}-10",
+            "memorybank": f"{len(memorybank)} user turns of {len({r[0] for r in memorybank})} users "
+            f"({int(mb_y.sum())} silver evidence)",
         },
         "thresholds": {
             "archive": model.archive_threshold,
@@ -329,12 +332,16 @@ def run_agent(args: argparse.Namespace, report: dict, model: WriteBackModel) -> 
     }
     report["agent"] = {"summary": summary, "questions": questions}
     print(
-        f"\n{len(facts)} facts told over {SESSIONS} sessions ({len(told)} turns, {telling_s:.0f} s), asked in new sessions:\n"
+        f"\n{len(facts)} facts told over {SESSIONS} sessions ({len(told)} turns, {telling_s:.0f} s), "
+        "asked in new sessions:\n"
         f"  stated-fact recall across sessions   {summary['stated_fact_recall']:.3f}\n"
-        f"  answer contains, reuse='none'        {summary['contains_none']:.3f}   TTFT median {summary['ttft_none_median_s'] * 1000:.0f} ms\n"
-        f"  answer contains, reuse={reuse!r:<13} {summary['contains_reuse']:.3f}   TTFT median {summary['ttft_reuse_median_s'] * 1000:.0f} ms"
+        f"  answer contains, reuse='none'        {summary['contains_none']:.3f}   "
+        f"TTFT median {summary['ttft_none_median_s'] * 1000:.0f} ms\n"
+        f"  answer contains, reuse={reuse!r:<13} {summary['contains_reuse']:.3f}   "
+        f"TTFT median {summary['ttft_reuse_median_s'] * 1000:.0f} ms"
         f" (recompute_ratio {asking.recompute_ratio})\n"
-        f"  retention against reuse='none'       {summary['retention']:.3f} ({len(right_none)} answers right without reuse)"
+        f"  retention against reuse='none'       {summary['retention']:.3f} "
+        f"({len(right_none)} answers right without reuse)"
     )
 
 

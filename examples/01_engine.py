@@ -108,7 +108,7 @@ for i, n in enumerate(tokens):
 # %%
 figures.mkdir(parents=True, exist_ok=True)
 fig, ax = plt.subplots(figsize=(6, 3.6))
-for condition, marker in zip(CONDITIONS, "osD^"):
+for condition, marker in zip(CONDITIONS, "osD^", strict=False):
     ax.plot(tokens, [t * 1000 for t in ttft[condition]], marker=marker, label=condition)
 ax.set_xlabel("prompt tokens (memories + question)")
 ax.set_ylabel("time to first token (ms)")
@@ -128,4 +128,6 @@ plt.show()
 for condition in CONDITIONS:
     result = answer(condition, MEMORIES, max_new_tokens=40)
     s = result.stats
-    print(f"{condition:<7} reused {s.reused_tokens:>4}/{s.prompt_tokens} recomputed {s.recomputed_tokens:>3}: {result.text.strip()}")
+    print(
+        f"{condition:<7} reused {s.reused_tokens:>4}/{s.prompt_tokens} recomputed {s.recomputed_tokens:>3}: {result.text.strip()}"
+    )

@@ -65,7 +65,11 @@ def run(reuse: str | None, folder: Path) -> ReuseStats:
     with MemoryStore(folder) as store:
         # stored with their K/V fragments encoded, as an AgentMemory or KVShiftMemory stores them
         # (placed in user messages by the chain's memory: no lead fragments needed)
-        engine.warm([store.add(text, tenant="alice", session_id="spring") for text in EARLIER], lead_fragments=False, namespace="alice")
+        engine.warm(
+            [store.add(text, tenant="alice", session_id="spring") for text in EARLIER],
+            lead_fragments=False,
+            namespace="alice",
+        )
         chain = ConversationChain(
             llm=ChatKVShift(store=store, user_id="alice", max_tokens=32, reuse=reuse, callbacks=[stats]),
             memory=KVShiftMemory(store=store, user_id="alice", session_id="may"),
@@ -85,7 +89,7 @@ baseline = run("none", scratch / "baseline")
 
 # %%
 print(f"{'turn':>4} {'prompt':>6} {'from cache':>11} {'fragments':>9} {'TTFT reuse':>10} {'TTFT none':>9}")
-for turn, (mine, theirs) in enumerate(zip(reusing.calls, baseline.calls), start=1):
+for turn, (mine, theirs) in enumerate(zip(reusing.calls, baseline.calls, strict=False), start=1):
     share = mine["reused_tokens"] / mine["prompt_tokens"]
     print(
         f"{turn:>4} {mine['prompt_tokens']:>6} {share:>10.0%} {mine['fragments_hit']:>9} "

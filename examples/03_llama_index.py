@@ -78,7 +78,9 @@ for turn in tqdm(TURNS, desc="turns", leave=False):
 # %%
 print(f"{'turn':>4} {'prompt':>6} {'from cache':>11} {'fragments hit':>13} {'TTFT':>7}")
 for turn, s in enumerate(stats.calls, start=1):
-    print(f"{turn:>4} {s['prompt_tokens']:>6} {s['reused_tokens'] / s['prompt_tokens']:>10.0%} {s['fragments_hit']:>13} {s['ttft_s'] * 1000:>5.0f}ms")
+    print(
+        f"{turn:>4} {s['prompt_tokens']:>6} {s['reused_tokens'] / s['prompt_tokens']:>10.0%} {s['fragments_hit']:>13} {s['ttft_s'] * 1000:>5.0f}ms"
+    )
 print("\nthe fifth message, as the memory renders it (markers are resolved by KVShiftLLM, never read):")
 print(memory.get()[-2].content)
 store.close()

@@ -24,7 +24,9 @@ def executed(script: Path, workdir: Path, timeout_s: int = 600) -> nbformat.Note
     :raises nbclient.exceptions.CellExecutionError: a cell failed (the error names it).
     """
     notebook = jupytext.read(script)
-    NotebookClient(notebook, timeout=timeout_s, kernel_name="python3", resources={"metadata": {"path": str(workdir)}}).execute()
+    NotebookClient(
+        notebook, timeout=timeout_s, kernel_name="python3", resources={"metadata": {"path": str(workdir)}}
+    ).execute()
     return notebook
 
 

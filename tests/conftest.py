@@ -43,7 +43,11 @@ TINY_CONFIGS = {
     ),
     "phi3": lambda: transformers.Phi3Config(**_COMMON, pad_token_id=0),
     "gpt_neox": lambda: transformers.GPTNeoXConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
         max_position_embeddings=8192,
     ),
 }
@@ -66,8 +70,15 @@ def bundled_engine():
 
 
 @pytest.fixture(scope="session")
-def tokenizer(bundled_engine):
-    return bundled_engine.tokenizer
+def tokenizer():
+    """The bundled model's tokenizer, read from its GGUF file without the weights: tiny
+    random-weight models are driven with real text."""
+    from transformers import AutoTokenizer
+
+    from kvshift_memory.engine.loading import bundled_gguf_path
+
+    gguf = bundled_gguf_path()
+    return AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
 
 
 @pytest.fixture(scope="session")

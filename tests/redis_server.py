@@ -42,8 +42,21 @@ class RedisServer:
 
     def _start(self) -> None:
         self._process = subprocess.Popen(
-            [self._binary, "--bind", "127.0.0.1", "--port", str(self.port), "--save", "", "--appendonly", "no",
-             "--dir", self._dir.name, "--protected-mode", "yes"],
+            [
+                self._binary,
+                "--bind",
+                "127.0.0.1",
+                "--port",
+                str(self.port),
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--dir",
+                self._dir.name,
+                "--protected-mode",
+                "yes",
+            ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
             preexec_fn=_die_with_parent,

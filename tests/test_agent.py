@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-import time
 import threading
+import time
 
 import pytest
 
@@ -41,7 +41,7 @@ def _agent(engine, store, session="trip", user="alice", **settings):
 def _window_prompt_ids(agent):
     """The token ids the agent's next prompt starts with: its window, as the engine lays it out."""
     messages = [m for turn in agent._window for m in turn.messages()]
-    return agent.engine._plan(messages, None, "prefix", None, 1)[0].token_ids
+    return agent.engine.plan(messages, reuse="prefix").layout.token_ids
 
 
 # `<|im_end|>\n<|im_start|>user\n` ... `<|im_end|>\n<|im_start|>assistant\n` (assistant is 2 tokens), and the previous

@@ -79,7 +79,9 @@ def test_chunk_plans_are_shared_by_layers_but_not_across_windows():
     windowed = _run(query, key, value, step, sliding_window=20)
     assert torch.equal(first, again)
     assert {key[1] for key in step.plans} == {None, 20}
-    torch.testing.assert_close(windowed, _reference(query, key, value, slots, step, sliding_window=20), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        windowed, _reference(query, key, value, slots, step, sliding_window=20), rtol=1e-5, atol=1e-5
+    )
 
 
 def test_contiguous_span_after_a_cache_matches_the_rule():

@@ -56,10 +56,13 @@ def test_refusals_are_one_line_and_status_2(tmp_path, capsys):
 
 def test_console_script_runs(folder):
     path, _ = folder
-    out = subprocess.run([sys.executable, "-m", "kvshift_memory.cli", "inspect", str(path)], capture_output=True, text=True)
+    out = subprocess.run(
+        [sys.executable, "-m", "kvshift_memory.cli", "inspect", str(path)], capture_output=True, text=True
+    )
     assert out.returncode == 0 and json.loads(out.stdout)["memories"] == 1
 
 
+@pytest.mark.model
 def test_chat_answers_lines_from_stdin_and_remembers_across_runs(tmp_path, monkeypatch, capsys):
     import io
 
@@ -78,6 +81,7 @@ def test_chat_answers_lines_from_stdin_and_remembers_across_runs(tmp_path, monke
     assert re.search(r"[1-4] memories recalled", capsys.readouterr().out)  # what session one archived
 
 
+@pytest.mark.model
 def test_chat_reports_a_refused_message_and_goes_on(tmp_path, monkeypatch, capsys):
     import io
 
@@ -109,6 +113,7 @@ def test_bench_refuses_unknown_benchmarks(capsys):
     assert "nonsense" in capsys.readouterr().err
 
 
+@pytest.mark.model
 def test_demo_runs_both_sessions_with_recall_and_a_correction(capsys):
     assert main(["demo", "--max-new-tokens", "8"]) == 0
     out = capsys.readouterr().out

@@ -31,7 +31,8 @@ def fragment(n: int, layers: int = LAYERS, seed: int = 0) -> Fragment:
 
 
 def relative_error(a: Fragment, b: Fragment) -> float:
-    return max(float((x - y).abs().max() / x.abs().max()) for x, y in zip((*a.keys, *a.values), (*b.keys, *b.values)))
+    pairs = zip((*a.keys, *a.values), (*b.keys, *b.values), strict=True)
+    return max(float((x - y).abs().max() / x.abs().max()) for x, y in pairs)
 
 
 @pytest.mark.parametrize("codec,bound", [("fp32", 0.0), ("fp16", 1e-3), ("int8", 8e-3), ("int4", 0.15)])
@@ -135,7 +136,9 @@ def test_hostile_headers_are_refused_without_allocating():
     huge_header = struct.pack("<Q", 1 << 60) + b"{}"
     not_json = struct.pack("<Q", 5) + b"{{{{{"
     not_object = struct.pack("<Q", 2) + b"[]"
-    offsets_out = struct.pack("<Q", 60) + json.dumps({"k": {"dtype": "I8", "shape": [9], "data_offsets": [0, 9]}}).encode().ljust(60)
+    offsets_out = struct.pack("<Q", 60) + json.dumps(
+        {"k": {"dtype": "I8", "shape": [9], "data_offsets": [0, 9]}}
+    ).encode().ljust(60)
     non_string_meta = struct.pack("<Q", 40) + json.dumps({"__metadata__": {"a": 1}}).encode().ljust(40)
     for blob in (b"", b"\x00" * 7, huge_header, not_json, not_object, offsets_out, non_string_meta):
         with pytest.raises(CorruptFragmentError):

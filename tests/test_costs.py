@@ -67,4 +67,7 @@ def test_the_engine_recomputes_a_stored_memory_the_model_finds_cheaper(bundled_e
             engine.costs = saved
     assert stats.fragments_recomputed == 1 and stats.fragments_loaded == 1
     assert stats.recomputed_tokens == engine.count_tokens("Tea.\n")
-    assert stats.reused_tokens + stats.recomputed_tokens + stats.encoded_tokens + stats.prefilled_tokens == stats.prompt_tokens
+    assert (
+        stats.reused_tokens + stats.recomputed_tokens + stats.encoded_tokens + stats.prefilled_tokens
+        == stats.prompt_tokens
+    )

@@ -26,7 +26,7 @@ def test_vectors_are_unit_length_and_repeat_queries_are_not_re_embedded(embedder
         embedder.clear_cache()
         after = embedder.embed(["Where does my sister live?"])[0]
         assert calls[0] == 2  # forgotten: embedded again
-        assert max(abs(a - b) for a, b in zip(after, first)) < 1e-5
+        assert max(abs(a - b) for a, b in zip(after, first, strict=False)) < 1e-5
     finally:
         hook.remove()
 

@@ -21,7 +21,9 @@ def test_every_example_script_has_its_notebook():
     for name in NAMES:
         script, notebook = jupytext.read(EXAMPLES / f"{name}.py"), jupytext.read(EXAMPLES / f"{name}.ipynb")
         # the committed notebook holds the script's cells, unchanged (`make notebooks` rebuilds it)
-        assert [(c.cell_type, c.source) for c in notebook.cells] == [(c.cell_type, c.source) for c in script.cells], name
+        assert [(c.cell_type, c.source) for c in notebook.cells] == [(c.cell_type, c.source) for c in script.cells], (
+            name
+        )
 
 
 @pytest.mark.model
@@ -31,7 +33,12 @@ def test_the_notebook_runs_top_to_bottom(name, tmp_path, monkeypatch):
     notebook = notebooks.executed(EXAMPLES / f"{name}.py", tmp_path)
     text = "".join(output.get("text", "") for cell in notebook.cells for output in cell.get("outputs", []))
     assert "Traceback" not in text and "IProgress not found" not in text  # tqdm.auto draws its widget
-    widgets = [o for c in notebook.cells for o in c.get("outputs", []) if "application/vnd.jupyter.widget-view+json" in o.get("data", {})]
+    widgets = [
+        o
+        for c in notebook.cells
+        for o in c.get("outputs", [])
+        if "application/vnd.jupyter.widget-view+json" in o.get("data", {})
+    ]
     assert widgets, "no progress bar rendered as a Jupyter widget"
     if name == "01_engine":
         assert (tmp_path / "figures" / "01_engine_ttft.png").stat().st_size > 10_000
@@ -40,7 +47,9 @@ def test_the_notebook_runs_top_to_bottom(name, tmp_path, monkeypatch):
         for row in rows:  # prompt tokens, then (ms, "ms", ratio) for none, prefix, shift, blend
             none, prefix, shift = float(row[1]), float(row[4]), float(row[7])
             assert prefix < none and shift < none, row
-    turns = [line.split() for line in text.splitlines() if line[:4].strip() in {"1", "2", "3", "4", "5"} and "%" in line]
+    turns = [
+        line.split() for line in text.splitlines() if line[:4].strip() in {"1", "2", "3", "4", "5"} and "%" in line
+    ]
     if name == "02_langchain":  # turn, prompt, share, fragments, TTFT reuse, TTFT none
         assert [int(row[0]) for row in turns] == [1, 2, 3, 4, 5]
         assert all(float(row[2].rstrip("%")) > 0 for row in turns[1:]), turns  # each turn reads the last from the cache

@@ -57,7 +57,9 @@ def test_kvshift_attention_matches_transformers(family_model):
     cache = ShiftCache(model.config.num_hidden_layers, ids.numel())
     step = ForwardStep.span(0, ids.numel())
     with torch.inference_mode(), cache.stepping(step):
-        got = model(input_ids=ids[None], position_ids=step.slots[None], cache=cache, use_cache=True, logits_to_keep=0).logits[0]
+        got = model(
+            input_ids=ids[None], position_ids=step.slots[None], cache=cache, use_cache=True, logits_to_keep=0
+        ).logits[0]
     assert (got - expected).abs().max() <= 1e-4, name
 
 
@@ -134,8 +136,13 @@ FALLBACK_CONFIGS = {
 
 def _tiny_llama_kwargs() -> dict:
     return dict(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=8192,
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=8192,
     )
 
 

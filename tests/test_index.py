@@ -27,7 +27,7 @@ def test_sync_replays_the_log_and_keeps_in_flight_adds_pending(tmp_path):
     for location in (":memory:", str(tmp_path / "index")):
         index = open_index(location, 4, "test")
         log, states = Log(), {}
-        state_of = lambda t, m: states.get((t, m))  # noqa: E731
+        state_of = lambda t, m, states=states: states.get((t, m))  # noqa: E731
         log.add("alice", "m1")
         states[("alice", "m1")] = IndexedState(1, None, vec(0))
         log.add("alice", "m2")  # intent logged, head not written yet (an add in flight)
@@ -104,7 +104,9 @@ def test_a_damaged_snapshot_is_ignored_and_the_log_replayed(tmp_path):
     for damage in (b"garbage", snapshot.read_bytes()[:-9]):
         snapshot.write_bytes(damage)
         index = open_index(str(folder), 4, "test")
-        assert [h.memory_id for h in index.search(vec(1), "alice", None, 5, log.read, lambda t, m: states.get((t, m)))] == ["m1"]
+        assert [
+            h.memory_id for h in index.search(vec(1), "alice", None, 5, log.read, lambda t, m: states.get((t, m)))
+        ] == ["m1"]
 
 
 def test_a_log_that_went_backwards_is_replayed_whole():
@@ -122,12 +124,18 @@ def test_a_log_that_went_backwards_is_replayed_whole():
     for n in range(4):  # ... then more writes than the index had applied: the log is as long again
         log.add("alice", f"new{n}")
         states[("alice", f"new{n}")] = IndexedState(1, None, vec(n % 4))
-    assert {h.memory_id for h in index.search(vec(0), "alice", None, 10, log.read, state_of)} == {f"new{n}" for n in range(4)}
+    assert {h.memory_id for h in index.search(vec(0), "alice", None, 10, log.read, state_of)} == {
+        f"new{n}" for n in range(4)
+    }
     log.entries[:] = log.entries[:2]  # restored from an older snapshot: the last two writes lost
     del states[("alice", "new2")], states[("alice", "new3")]
     log.add("alice", "later")
     states[("alice", "later")] = IndexedState(1, None, vec(3))
-    assert {h.memory_id for h in index.search(vec(0), "alice", None, 10, log.read, state_of)} == {"new0", "new1", "later"}
+    assert {h.memory_id for h in index.search(vec(0), "alice", None, 10, log.read, state_of)} == {
+        "new0",
+        "new1",
+        "later",
+    }
 
 
 def test_the_keyword_path_lifts_a_memory_that_names_the_rare_word(tmp_path):
@@ -158,7 +166,9 @@ def test_a_folder_that_qdrants_local_mode_wrote_is_never_unpickled(tmp_path):
 
     folder, marker = tmp_path / "index", tmp_path / "pwned"
     old = QdrantClient(path=str(folder))
-    old.create_collection("kvshift_memories", vectors_config=models.VectorParams(size=4, distance=models.Distance.COSINE))
+    old.create_collection(
+        "kvshift_memories", vectors_config=models.VectorParams(size=4, distance=models.Distance.COSINE)
+    )
     old.upsert("kvshift_memories", points=[models.PointStruct(id=1, vector=vec(3), payload={"tenant": "alice"})])
     old.close()
 
@@ -172,7 +182,9 @@ def test_a_folder_that_qdrants_local_mode_wrote_is_never_unpickled(tmp_path):
     index = open_index(str(folder), 4, "test")
     log, states = Log(), {("alice", "m1"): IndexedState(1, None, vec(0), ("lisbon",))}
     log.add("alice", "m1")
-    hits = index.search(vec(3), "alice", None, 5, log.read, lambda t, m: states.get((t, m)), terms=["lisbon"], keyword_weight=0.1)
+    hits = index.search(
+        vec(3), "alice", None, 5, log.read, lambda t, m: states.get((t, m)), terms=["lisbon"], keyword_weight=0.1
+    )
     assert [h.memory_id for h in hits] == ["m1"]
     index.close()
     assert not marker.exists()
@@ -214,13 +226,19 @@ def test_the_keyword_scores_follow_qdrants_idf():
         log.add("alice", f"m{n}")
         states[("alice", f"m{n}")] = IndexedState(1, None, vec(n % 4), chosen)
         indices, values = sparse_terms(chosen)
-        client.upsert("c", points=[models.PointStruct(id=n, vector={"k": models.SparseVector(indices=indices, values=values)})])
+        client.upsert(
+            "c", points=[models.PointStruct(id=n, vector={"k": models.SparseVector(indices=indices, values=values)})]
+        )
     index = MemoryIndex(":memory:", 4, "test")
     query = ["lisbon", "museum", "dinner"]
-    ours = index.search(vec(0), "alice", None, 60, log.read, lambda t, m: states.get((t, m)), terms=query, keyword_weight=1.0)
+    ours = index.search(
+        vec(0), "alice", None, 60, log.read, lambda t, m: states.get((t, m)), terms=query, keyword_weight=1.0
+    )
     assert len(ours) == 60
     indices, values = sparse_terms(query)
-    theirs = client.query_points("c", query=models.SparseVector(indices=indices, values=values), using="k", limit=60).points
+    theirs = client.query_points(
+        "c", query=models.SparseVector(indices=indices, values=values), using="k", limit=60
+    ).points
     keyword = {f"m{p.id}": p.score for p in theirs}
     dense = {f"m{n}": 1.0 if n % 4 == 0 else 0.0 for n in range(60)}
     for hit in ours:

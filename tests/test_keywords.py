@@ -4,11 +4,25 @@ from kvshift_memory.store.keywords import keywords, sparse_terms
 
 
 def test_keywords_drop_function_words_and_possessives():
-    assert keywords("What is Gina's favorite style of dance? Gina loves dance.") == ["gina", "favorite", "style", "dance", "loves"]
+    assert keywords("What is Gina's favorite style of dance? Gina loves dance.") == [
+        "gina",
+        "favorite",
+        "style",
+        "dance",
+        "loves",
+    ]
 
 
 def test_numbers_and_non_ascii_words_are_keywords():
-    assert keywords("Flight TP1350 on the 12 May, budget 50k, Ação") == ["flight", "tp1350", "12", "may", "budget", "50k", "ação"]
+    assert keywords("Flight TP1350 on the 12 May, budget 50k, Ação") == [
+        "flight",
+        "tp1350",
+        "12",
+        "may",
+        "budget",
+        "50k",
+        "ação",
+    ]
 
 
 def test_hostile_and_empty_text_gives_no_error():

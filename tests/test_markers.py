@@ -91,7 +91,9 @@ def test_marked_memories_become_memories_where_their_markers_stood():
     budget, sister = _record(), _record("Ana lives in Porto.", memory_id="m2")
     store = _RecordsStore(budget, sister)
     block = render_memories([budget, sister], "You remember:")
-    assert block == f"You remember:\n{render_marker(budget)}\n{render_marker(sister)}" and render_memories([], "x") == ""
+    assert (
+        block == f"You remember:\n{render_marker(budget)}\n{render_marker(sister)}" and render_memories([], "x") == ""
+    )
     marked = f"Human: hi\n{render_marker(budget)}\nAI: hello\n{render_marker(sister)}\nHuman: and?"
     message = marked_user_message(marked, store, tenant="alice")
     assert message["memories"] == [budget, sister]

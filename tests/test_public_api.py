@@ -87,11 +87,13 @@ def test_the_store_side_never_loads_torch():
 
 
 def test_store_layer_imports_neither_torch_nor_the_engine():
-    """DESIGN §2: the store moves bytes and metadata; the default embedder is the only model it may load, lazily."""
+    """docs/store.md: the store moves bytes and metadata; the default embedder is the only model it may load, lazily."""
     import pathlib
     import re
 
     root = pathlib.Path(kvshift_memory.__file__).parent
-    pattern = re.compile(r"^\s*(import torch|from torch|from \.\.(engine|kv)\b|import transformers|from transformers)", re.M)
+    pattern = re.compile(
+        r"^\s*(import torch|from torch|from \.\.(engine|kv)\b|import transformers|from transformers)", re.M
+    )
     for path in [*(root / "store").rglob("*.py"), root / "blobs.py"]:
         assert not pattern.search(path.read_text()), path

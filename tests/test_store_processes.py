@@ -180,7 +180,9 @@ def test_a_busy_searcher_does_not_keep_another_process_waiting(tmp_path):
     store = open_store(url)
     record = store.add("The spare key is under the blue flower pot.", tenant="alice")
     store.close()
-    searcher = subprocess.Popen([sys.executable, WORKER, "search-forever", url, "alice"], stdout=subprocess.PIPE, text=True)
+    searcher = subprocess.Popen(
+        [sys.executable, WORKER, "search-forever", url, "alice"], stdout=subprocess.PIPE, text=True
+    )
     try:
         assert searcher.stdout.readline().strip() == "searching"
         store = open_store(url)

@@ -189,7 +189,8 @@ def test_a_pickled_key_planted_in_the_folder_is_never_read(tmp_path):
     tier.close()
     with sqlite3.connect(tmp_path / "kv" / "cache.db") as db:
         db.execute(
-            "INSERT INTO Cache (key, raw, store_time, expire_time, access_time, access_count, tag, size, mode, filename, value)"
+            "INSERT INTO Cache (key, raw, store_time, expire_time, access_time, access_count, tag, size, mode, "
+            "filename, value)"
             " VALUES (?, 0, 0, NULL, 0, 0, NULL, 0, 1, NULL, ?)",
             (pickle.dumps(Payload()), b"v"),
         )

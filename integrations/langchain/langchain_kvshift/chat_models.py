@@ -26,7 +26,7 @@ from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResu
 from pydantic import ConfigDict, Field
 
 from kvshift_memory import GenerationResult, InvalidInputError, KVShiftEngine, MemoryStore
-from kvshift_memory.markers import marked_user_message, strip_markers
+from kvshift_memory.adapters import marked_user_message, strip_markers
 
 __all__ = ["ChatKVShift"]
 
@@ -34,8 +34,14 @@ BUNDLED_MODEL = "SmolLM2-135M-Instruct"
 
 _ROLES = {"human": "user", "user": "user", "ai": "assistant", "assistant": "assistant", "system": "system"}
 # per-call keyword arguments a call may override, and the engine's names for them
-_CALL_OPTIONS = {"max_tokens": "max_new_tokens", "temperature": "temperature", "top_p": "top_p", "seed": "seed",
-                 "reuse": "reuse", "recompute_ratio": "recompute_ratio"}
+_CALL_OPTIONS = {
+    "max_tokens": "max_new_tokens",
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "seed": "seed",
+    "reuse": "reuse",
+    "recompute_ratio": "recompute_ratio",
+}
 
 
 def _text(message: BaseMessage, index: int) -> str:
@@ -62,7 +68,7 @@ def to_engine_messages(
     System messages are joined into one leading system message (the engine's chat template has
     one place for it), in order; human, AI and chat messages with those roles keep their order.
     With ``store`` and ``user_id``, a human message's markers that name this user's memories
-    bring their fragments along (:func:`~kvshift_memory.markers.marked_user_message`); every
+    bring their fragments along (:func:`~kvshift_memory.adapters.marked_user_message`); every
     other marker is removed.
 
     :raises InvalidInputError: a tool or function message, an unknown role, a non-text block.
@@ -99,7 +105,7 @@ class ChatKVShift(BaseChatModel):
         fastest, and it changes some answers: docs/benchmarks/writeback.md), ``None`` for the
         engine's default. ``reuse="prefix"`` answers as full recompute does, as ``AgentMemory`` does.
     :param store: with ``user_id`` (and ``session_id``), memory markers in human messages that
-        name this user's memories resolve to them and bring their stored K/V (DESIGN §4); without
+        name this user's memories resolve to them and bring their stored K/V (``docs/how-it-works.md``); without
         a store every marker is plain text. Markers are never shown to the model.
     :param user_id: the tenant, also without a store: the engine reuses K/V only from this user's
         earlier calls, and ``cache_read`` counts only those, so one user can never learn from
@@ -132,7 +138,12 @@ class ChatKVShift(BaseChatModel):
 
     @property
     def _identifying_params(self) -> dict[str, Any]:
-        return {"model_name": self.model_name, "max_tokens": self.max_tokens, "temperature": self.temperature, "reuse": self.reuse}
+        return {
+            "model_name": self.model_name,
+            "max_tokens": self.max_tokens,
+            "temperature": self.temperature,
+            "reuse": self.reuse,
+        }
 
     def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> LangSmithParams:
         return LangSmithParams(
@@ -154,28 +165,34 @@ class ChatKVShift(BaseChatModel):
         model = kwargs.pop("model", None)
         if model is not None and model != self.model_name and model != self.model:
             raise InvalidInputError(
-                f"ChatKVShift serves {self.model_name!r}; a per-call model ({model!r}) would load other weights: build another ChatKVShift"
+                f"ChatKVShift serves {self.model_name!r}; a per-call model ({model!r}) would load other weights: "
+                "build another ChatKVShift"
             )
         unknown = set(kwargs) - set(_CALL_OPTIONS)
         if unknown:
-            raise InvalidInputError(f"ChatKVShift takes no {sorted(unknown)}; per-call options are {sorted(_CALL_OPTIONS)}")
+            raise InvalidInputError(
+                f"ChatKVShift takes no {sorted(unknown)}; per-call options are {sorted(_CALL_OPTIONS)}"
+            )
         options = {engine_name: getattr(self, name) for name, engine_name in _CALL_OPTIONS.items()}
         options.update({_CALL_OPTIONS[name]: value for name, value in kwargs.items()})
         options["stop"] = list(self.stop or []) + list(stop or [])
         options["namespace"] = self.user_id
         return options
 
-    def _message(self, result: GenerationResult, chunk: bool = False) -> AIMessage | AIMessageChunk:
+    def _message(self, result: GenerationResult | None, chunk: bool = False) -> AIMessage | AIMessageChunk:
+        assert result is not None  # a generation, or a stream once exhausted, has its result
         stats = result.stats
         engine = self._engine()
         # everything this call computed is kept as a prefix for the next calls, when prefixes are cached
-        created = stats.prompt_tokens - stats.reused_tokens if engine.settings.prefix_cache_bytes else stats.encoded_tokens
-        usage = UsageMetadata(
-            input_tokens=stats.prompt_tokens,
-            output_tokens=stats.generated_tokens,
-            total_tokens=stats.prompt_tokens + stats.generated_tokens,
-            input_token_details={"cache_read": stats.reused_tokens, "cache_creation": created},
+        created = (
+            stats.prompt_tokens - stats.reused_tokens if engine.settings.prefix_cache_bytes else stats.encoded_tokens
         )
+        usage: UsageMetadata = {
+            "input_tokens": stats.prompt_tokens,
+            "output_tokens": stats.generated_tokens,
+            "total_tokens": stats.prompt_tokens + stats.generated_tokens,
+            "input_token_details": {"cache_read": stats.reused_tokens, "cache_creation": created},
+        }
         metadata = {
             "model_name": self.model_name,
             "finish_reason": result.finish_reason,
@@ -216,4 +233,6 @@ class ChatKVShift(BaseChatModel):
         finally:
             if not finished:
                 pieces.close()  # a consumer that stopped early ends the generation; the cache stays valid
-        yield ChatGenerationChunk(message=self._message(pieces.result, chunk=True))
+        last = self._message(pieces.result, chunk=True)
+        assert isinstance(last, AIMessageChunk)
+        yield ChatGenerationChunk(message=last)

@@ -2,7 +2,7 @@
 
 A chain renders its memory into prompt text and sends one flat message. This memory renders the
 conversation so far, each turn after the memories recalled for it, then the memories the new
-input recalls, each wrapped in a span marker (DESIGN §4); :class:`~langchain_kvshift.ChatKVShift`
+input recalls, each wrapped in a span marker (``docs/how-it-works.md``); :class:`~langchain_kvshift.ChatKVShift`
 built with the same store and user resolves the markers and places the memories' stored fragments
 instead of reading their text again. A turn's memories stay with that turn, so every prompt
 starts with the previous one (up to its reply), which the engine reuses exactly; only the
@@ -17,9 +17,7 @@ from langchain_classic.base_memory import BaseMemory
 from pydantic import ConfigDict, Field, PrivateAttr
 
 from kvshift_memory import InvalidInputError, MemoryStore
-from kvshift_memory.agent.recall import archive, last_sentence, recall
-from kvshift_memory.agent.writeback import WriteBackModel
-from kvshift_memory.markers import render_memories
+from kvshift_memory.adapters import WriteBackModel, archive, last_sentence, recall, render_memories
 
 __all__ = ["KVShiftMemory"]
 
@@ -33,9 +31,9 @@ class KVShiftMemory(BaseMemory):
         of the user's sessions.
     :param recall_k: memories recalled per input, most relevant last; ``recall_min_score`` is the
         least similarity a recalled memory needs. They rank as :class:`~kvshift_memory.AgentMemory`
-        ranks them (``kvshift_memory.agent.recall``).
+        ranks them (``kvshift_memory.adapters.recall``).
     :param write_back: archive the human's turns the bundled write-back rule finds worth keeping
-        (``kvshift_memory.agent.writeback``), so that later sessions recall them.
+        (``kvshift_memory.adapters.archive``), so that later sessions recall them.
     """
 
     model_config = ConfigDict(arbitrary_types_allowed=True)
@@ -107,7 +105,9 @@ class KVShiftMemory(BaseMemory):
         self._shown.update((record.id, record.version) for record in self._recalled)
         self._recalled = []
         if self.write_back:
-            _, decision, record = archive(self._rule, self.store, human, previous, user_id=self.user_id, session_id=self.session_id)
+            _, decision, record = archive(
+                self._rule, self.store, human, previous, user_id=self.user_id, session_id=self.session_id
+            )
             if record is not None and decision == "archive":
                 self._shown.add((record.id, record.version))
 

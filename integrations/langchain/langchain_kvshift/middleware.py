@@ -1,7 +1,7 @@
 """``KVShiftMiddleware``: recall and write-back for LangChain 1.x agents (``create_agent``).
 
 Before a model call that answers a new human message, the memories the message recalls from the
-user's store are put in front of it, in span markers (DESIGN §4), so that a
+user's store are put in front of it, in span markers (``docs/how-it-works.md``), so that a
 :class:`~langchain_kvshift.ChatKVShift` built with the same store and user places their stored
 fragments instead of reading their text. The marked message replaces the original in the agent's
 state (same id), so the next turn's prompt starts with this one and the engine reuses it exactly.
@@ -14,13 +14,12 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from langchain.agents.middleware import AgentMiddleware
+from langchain.agents.middleware import AgentMiddleware, AgentState
 from langchain_core.messages import AIMessage, HumanMessage
+from langgraph.runtime import Runtime
 
 from kvshift_memory import MemoryStore
-from kvshift_memory.agent.recall import archive, last_sentence, recall
-from kvshift_memory.agent.writeback import WriteBackModel
-from kvshift_memory.markers import parse_markers, render_memories
+from kvshift_memory.adapters import WriteBackModel, archive, last_sentence, parse_markers, recall, render_memories
 
 __all__ = ["KVShiftMiddleware"]
 
@@ -60,7 +59,7 @@ class KVShiftMiddleware(AgentMiddleware):
         self.write_back = write_back
         self._rule = WriteBackModel.bundled()
 
-    def before_model(self, state: dict[str, Any], runtime: Any) -> dict[str, Any] | None:
+    def before_model(self, state: AgentState[Any], runtime: Runtime[Any]) -> dict[str, Any] | None:
         """Put the memories the last human message recalls in front of it (once per message).
 
         :raises StoreError: the store cannot be searched.
@@ -69,7 +68,12 @@ class KVShiftMiddleware(AgentMiddleware):
         last = messages[-1] if messages else None
         if not isinstance(last, HumanMessage) or ORIGINAL in last.additional_kwargs or not last.text.strip():
             return None
-        shown = {(span.memory_id, span.version) for m in messages for span in parse_markers(m.text) if span.memory_id}
+        shown = {
+            (span.memory_id, span.version)
+            for m in messages
+            for span in parse_markers(m.text)
+            if span.memory_id and span.version is not None
+        }
         recalled = recall(
             self.store,
             last.text,
@@ -85,13 +89,18 @@ class KVShiftMiddleware(AgentMiddleware):
         content = f"{block}\n\n{last.text}"
         return {"messages": [HumanMessage(content=content, id=last.id, additional_kwargs={ORIGINAL: last.text})]}
 
-    def after_model(self, state: dict[str, Any], runtime: Any) -> dict[str, Any] | None:
+    def after_model(self, state: AgentState[Any], runtime: Runtime[Any]) -> dict[str, Any] | None:
         """Archive the human message the final answer replied to, when it is worth keeping.
 
         :raises StoreError: the store cannot be written.
         """
         messages = state["messages"]
-        if not self.write_back or len(messages) < 2 or not isinstance(messages[-1], AIMessage) or messages[-1].tool_calls:
+        if (
+            not self.write_back
+            or len(messages) < 2
+            or not isinstance(messages[-1], AIMessage)
+            or messages[-1].tool_calls
+        ):
             return None
         human = next((m for m in reversed(messages[:-1]) if isinstance(m, HumanMessage)), None)
         if human is None:
@@ -101,10 +110,10 @@ class KVShiftMiddleware(AgentMiddleware):
         archive(self._rule, self.store, text, last_sentence(reply), user_id=self.user_id, session_id=self.session_id)
         return None
 
-    async def abefore_model(self, state: dict[str, Any], runtime: Any) -> dict[str, Any] | None:
+    async def abefore_model(self, state: AgentState[Any], runtime: Runtime[Any]) -> dict[str, Any] | None:
         """:meth:`before_model` in a worker thread (the store's search embeds the message)."""
         return await asyncio.to_thread(self.before_model, state, runtime)
 
-    async def aafter_model(self, state: dict[str, Any], runtime: Any) -> dict[str, Any] | None:
+    async def aafter_model(self, state: AgentState[Any], runtime: Runtime[Any]) -> dict[str, Any] | None:
         """:meth:`after_model` in a worker thread."""
         return await asyncio.to_thread(self.after_model, state, runtime)

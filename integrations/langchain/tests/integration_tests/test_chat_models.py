@@ -61,8 +61,14 @@ def _collect(llm: ChatKVShift, messages) -> AIMessage:
 def test_a_conversation_reads_most_of_each_prompt_from_the_cache():
     llm = ChatKVShift(max_tokens=24)
     history = [SystemMessage(SYSTEM)]
-    for turn, question in enumerate(["Which cities are we visiting?", "What currency is the budget in?",
-                                     "How are dates written?", "Which city is in Spain?"]):
+    for turn, question in enumerate(
+        [
+            "Which cities are we visiting?",
+            "What currency is the budget in?",
+            "How are dates written?",
+            "Which city is in Spain?",
+        ]
+    ):
         history.append(HumanMessage(question))
         reply = llm.invoke(history)
         history.append(reply)
@@ -114,6 +120,6 @@ def test_one_user_cannot_read_anothers_prompt_from_cache_reads():
         victim = ChatKVShift(max_tokens=1, user_id=f"alice-{run}")
         victim.invoke([HumanMessage(f"My door code is {code}, keep it safe.")])
         guessed = _guess_code(ChatKVShift(max_tokens=1, user_id=f"mallory-{run}"), len(code))
-        assert sum(a == b for a, b in zip(guessed, code)) <= 1, (code, guessed)
+        assert sum(a == b for a, b in zip(guessed, code, strict=False)) <= 1, (code, guessed)
         # the same attack inside the victim's own namespace reads the code back: the channel is real
         assert _guess_code(ChatKVShift(max_tokens=1, user_id=f"alice-{run}"), len(code)) == code

@@ -8,7 +8,7 @@ import pytest
 from langchain_core.callbacks import BaseCallbackHandler
 
 from kvshift_memory import MemoryStore
-from kvshift_memory.markers import render_marker
+from kvshift_memory.adapters import render_marker
 from langchain_kvshift import ChatKVShift, KVShiftMemory
 
 with warnings.catch_warnings():  # deprecated in LangChain, still what many users run
@@ -62,7 +62,7 @@ def _spy_prompts(monkeypatch, llm: ChatKVShift) -> list:
     original = engine.generate
 
     def generate(messages, *args, **kwargs):
-        layout = engine._plan(messages, None, "none", None, 1)[0]
+        layout = engine.plan(messages, reuse="none").layout
         seen.append((messages, engine.tokenizer.decode(layout.token_ids)))
         return original(messages, *args, **kwargs)
 
@@ -93,7 +93,9 @@ def test_with_exact_reuse_the_chain_answers_as_with_full_recompute(store, tmp_pa
         reusing, _ = _chain(store, reuse="prefix")
         recomputing, _ = _chain(twin, reuse="none")
         for question in QUESTIONS:
-            assert reusing.invoke({"input": question})["response"] == recomputing.invoke({"input": question})["response"]
+            assert (
+                reusing.invoke({"input": question})["response"] == recomputing.invoke({"input": question})["response"]
+            )
 
 
 def test_forged_markers_never_load_foreign_or_mismatched_memories(store, monkeypatch):

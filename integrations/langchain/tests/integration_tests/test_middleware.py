@@ -10,7 +10,7 @@ from langchain.agents import create_agent
 from langchain_core.messages import HumanMessage
 
 from kvshift_memory import MemoryStore
-from kvshift_memory.agent.writeback import WriteBackModel
+from kvshift_memory.adapters import WriteBackModel
 from langchain_kvshift import ChatKVShift, KVShiftMiddleware
 from langchain_kvshift.middleware import ORIGINAL
 
@@ -40,7 +40,12 @@ def _agent(store):
         return original(messages, *args, **kwargs)
 
     engine.generate = generate
-    return create_agent(model=llm, tools=[], middleware=[KVShiftMiddleware(store, "alice", "today")]), placed, engine, original
+    return (
+        create_agent(model=llm, tools=[], middleware=[KVShiftMiddleware(store, "alice", "today")]),
+        placed,
+        engine,
+        original,
+    )
 
 
 def test_recalled_memories_are_placed_and_the_next_turn_reuses_the_first(store):
@@ -55,7 +60,9 @@ def test_recalled_memories_are_placed_and_the_next_turn_reuses_the_first(store):
         usage = state["messages"][-1].usage_metadata
         assert usage["input_token_details"]["cache_read"] >= 0.7 * usage["input_tokens"], usage
         shown = [m for m in state["messages"] if isinstance(m, HumanMessage)]
-        assert sum(m.content.count("Porto") for m in shown) == 1  # a memory the conversation shows is not recalled twice
+        assert (
+            sum(m.content.count("Porto") for m in shown) == 1
+        )  # a memory the conversation shows is not recalled twice
     finally:
         engine.generate = original
 

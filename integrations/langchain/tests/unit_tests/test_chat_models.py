@@ -8,8 +8,7 @@ from langchain_tests.unit_tests import ChatModelUnitTests
 
 import kvshift_memory.engine.engine as engine_module
 from kvshift_memory import InvalidInputError
-from langchain_kvshift import ChatKVShift
-from langchain_kvshift import chat_models
+from langchain_kvshift import ChatKVShift, chat_models
 
 
 class TestChatKVShiftUnit(ChatModelUnitTests):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 
 import pytest
 from llama_index.core.chat_engine import SimpleChatEngine
@@ -11,6 +12,8 @@ from llama_index.core.memory import ChatMemoryBuffer
 
 from kvshift_memory import InvalidInputError
 from llama_index.llms.kvshift import KVShiftLLM
+
+pytestmark = pytest.mark.model  # every test drives the bundled model
 
 QUESTIONS = [
     "I am planning a team trip to Lisbon with a budget of 50k euros.",
@@ -24,7 +27,9 @@ QUESTIONS = [
 def _engine_chat(llm: KVShiftLLM) -> tuple[SimpleChatEngine, list]:
     """A chat engine (with a memory counting the model's own tokens: the default downloads
     tiktoken's vocabulary) and the reuse stats of each of its calls."""
-    memory = ChatMemoryBuffer.from_defaults(token_limit=4000, tokenizer_fn=lambda text: [0] * llm.engine.count_tokens(text))
+    memory = ChatMemoryBuffer.from_defaults(
+        token_limit=4000, tokenizer_fn=lambda text: [0] * llm.engine.count_tokens(text)
+    )
     seen: list = []
     original = llm.chat
 
@@ -34,14 +39,17 @@ def _engine_chat(llm: KVShiftLLM) -> tuple[SimpleChatEngine, list]:
         return response
 
     object.__setattr__(llm, "chat", chat)
-    return SimpleChatEngine.from_defaults(llm=llm, memory=memory, system_prompt="You are a brief travel assistant."), seen
+    return SimpleChatEngine.from_defaults(
+        llm=llm, memory=memory, system_prompt="You are a brief travel assistant."
+    ), seen
 
 
 def test_a_chat_engine_reads_each_turn_from_the_cache():
     chat, seen = _engine_chat(KVShiftLLM(max_tokens=24))
     for question in QUESTIONS:
         assert chat.chat(question).response
-    for before, now in zip(seen, seen[1:]):  # the whole previous prompt, and its reply, read from the cache
+    # the whole previous prompt, and its reply, read from the cache
+    for before, now in itertools.pairwise(seen):
         assert now["reused_tokens"] >= before["prompt_tokens"] + before["generated_tokens"] - 1, (before, now)
     shares = [stats["reused_tokens"] / stats["prompt_tokens"] for stats in seen]
     print("share of each prompt read from the cache:", " ".join(f"{share:.0%}" for share in shares))  # -s shows it

@@ -12,7 +12,7 @@ from llama_index.core.llms import ChatMessage
 from llama_index.core.schema import NodeWithScore, QueryBundle, TextNode
 
 from kvshift_memory import InvalidInputError, MemoryStore
-from kvshift_memory.markers import render_marker
+from kvshift_memory.adapters import render_marker
 from llama_index.llms.kvshift import KVShiftLLM
 from llama_index.memory.kvshift import KVShiftMemory
 
@@ -74,7 +74,9 @@ def test_simple_chat_engine_recalls_the_first_turn_in_the_fifth_from_its_fragmen
         assert chat.chat(turn).response
     fact = _fact_record(store)
     last = memory.get()
-    assert FACT not in "".join(m.content for m in last if m.content != last[-2].content)  # the window dropped turn 1 ...
+    assert FACT not in "".join(
+        m.content for m in last if m.content != last[-2].content
+    )  # the window dropped turn 1 ...
     assert render_marker(fact) in last[-2].content  # ... and the fifth message recalled it, in its marker
     stats = seen[-1]
     print("turn 5:", {k: stats[k] for k in ("prompt_tokens", "reused_tokens", "fragments_hit", "fragments_missed")})

@@ -3,7 +3,7 @@
 Chat keeps the roles instead of flattening the messages into one prompt, so a chat engine's turn
 starts with the previous turn's prompt and reply token for token, and the engine reuses their K/V
 exactly; only the new message is prefilled. Given the user's store, memories that a
-``llama_index.memory.kvshift.KVShiftMemory`` recalled into span markers (DESIGN §4) are placed
+``llama_index.memory.kvshift.KVShiftMemory`` recalled into span markers (``docs/how-it-works.md``) are placed
 from their stored fragments instead of being read again.
 """
 
@@ -28,7 +28,7 @@ from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_ca
 from pydantic import ConfigDict, Field, PrivateAttr
 
 from kvshift_memory import GenerationResult, GenerationStream, InvalidInputError, KVShiftEngine, MemoryStore
-from kvshift_memory.markers import marked_user_message, strip_markers
+from kvshift_memory.adapters import marked_user_message, strip_markers
 
 __all__ = ["KVShiftLLM"]
 
@@ -41,7 +41,7 @@ def to_engine_messages(
     """LlamaIndex chat messages as the engine's; system messages joined into one leading message.
 
     With ``store`` and ``user_id``, a user message's markers that name this user's memories bring
-    their fragments along (:func:`~kvshift_memory.markers.marked_user_message`); every other
+    their fragments along (:func:`~kvshift_memory.adapters.marked_user_message`); every other
     marker is removed.
 
     :raises InvalidInputError: a tool, function or other role the engine has no place for.
@@ -50,7 +50,9 @@ def to_engine_messages(
     for index, message in enumerate(messages):
         role = _ROLES.get(message.role)
         if role is None:
-            raise InvalidInputError(f"messages[{index}] has role {message.role.value!r}; KVShiftLLM has no tool calling")
+            raise InvalidInputError(
+                f"messages[{index}] has role {message.role.value!r}; KVShiftLLM has no tool calling"
+            )
         text = message.content or ""
         if role == "system":
             system.append(strip_markers(text))
@@ -123,31 +125,38 @@ class KVShiftLLM(CustomLLM):
     def _messages(self, messages: Sequence[ChatMessage]) -> list[dict[str, Any]]:
         return to_engine_messages(messages, self.store, user_id=self.user_id, session_id=self.session_id)
 
-    def _run(self, messages: list[dict[str, Any]], stream: bool, kwargs: dict[str, Any]) -> GenerationResult | GenerationStream:
-        return self.engine.generate(
-            messages,
-            reuse=kwargs.get("reuse", self.reuse),
-            recompute_ratio=kwargs.get("recompute_ratio", self.recompute_ratio),
-            fragments_after=self.fragments_after or self.engine.settings.system_prompt,
-            max_new_tokens=kwargs.get("max_tokens", self.max_tokens),
-            temperature=kwargs.get("temperature", self.temperature),
-            stop=kwargs.get("stop"),
-            stream=stream,
-            namespace=self.user_id,
-        )
+    def _options(self, kwargs: dict[str, Any]) -> dict[str, Any]:
+        return {
+            "reuse": kwargs.get("reuse", self.reuse),
+            "recompute_ratio": kwargs.get("recompute_ratio", self.recompute_ratio),
+            "fragments_after": self.fragments_after or self.engine.settings.system_prompt,
+            "max_new_tokens": kwargs.get("max_tokens", self.max_tokens),
+            "temperature": kwargs.get("temperature", self.temperature),
+            "stop": kwargs.get("stop"),
+            "namespace": self.user_id,
+        }
+
+    def _generate(self, messages: list[dict[str, Any]], kwargs: dict[str, Any]) -> GenerationResult:
+        return self.engine.generate(messages, **self._options(kwargs))
+
+    def _stream(self, messages: list[dict[str, Any]], kwargs: dict[str, Any]) -> GenerationStream:
+        return self.engine.generate(messages, stream=True, **self._options(kwargs))
 
     @staticmethod
-    def _raw(result: GenerationResult) -> dict[str, Any]:
+    def _raw(result: GenerationResult | None) -> dict[str, Any]:
+        """The engine's statistics of a finished generation (a stream's, once exhausted)."""
+        if result is None:
+            return {}
         return {"reuse_stats": dataclasses.asdict(result.stats), "finish_reason": result.finish_reason}
 
     @llm_completion_callback()
     def complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
-        result = self._run(self._messages([ChatMessage(role=MessageRole.USER, content=prompt)]), False, kwargs)
+        result = self._generate(self._messages([ChatMessage(role=MessageRole.USER, content=prompt)]), kwargs)
         return CompletionResponse(text=result.text, raw=self._raw(result))
 
     @llm_completion_callback()
     def stream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseGen:
-        pieces = self._run(self._messages([ChatMessage(role=MessageRole.USER, content=prompt)]), True, kwargs)
+        pieces = self._stream(self._messages([ChatMessage(role=MessageRole.USER, content=prompt)]), kwargs)
 
         def gen() -> CompletionResponseGen:
             text = ""
@@ -160,12 +169,12 @@ class KVShiftLLM(CustomLLM):
 
     @llm_chat_callback()
     def chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
-        result = self._run(self._messages(messages), False, kwargs)
+        result = self._generate(self._messages(messages), kwargs)
         return ChatResponse(message=ChatMessage(role=MessageRole.ASSISTANT, content=result.text), raw=self._raw(result))
 
     @llm_chat_callback()
     def stream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseGen:
-        pieces = self._run(self._messages(messages), True, kwargs)
+        pieces = self._stream(self._messages(messages), kwargs)
 
         def gen() -> ChatResponseGen:
             text = ""

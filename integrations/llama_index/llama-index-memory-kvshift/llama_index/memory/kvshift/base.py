@@ -3,7 +3,7 @@
 It keeps the conversation's recent turns verbatim (a window of ``token_limit`` tokens) and, for
 each new user message, recalls memories of the user from a :class:`kvshift_memory.MemoryStore`
 (all of the user's sessions, ranked as :class:`kvshift_memory.AgentMemory` ranks them). The
-recalled memories are rendered in span markers (DESIGN §4) in front of the message they were
+recalled memories are rendered in span markers (``docs/how-it-works.md``) in front of the message they were
 recalled for, and stay with it, so each turn's prompt starts with the previous one;
 ``llama_index.llms.kvshift.KVShiftLLM`` built with the same store and user places the memories'
 stored fragments instead of reading their text again.
@@ -15,6 +15,7 @@ longer shows it) pays nothing to read it.
 
 from __future__ import annotations
 
+import builtins
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -25,9 +26,7 @@ from llama_index.core.memory import BaseMemory
 from pydantic import ConfigDict, Field, PrivateAttr
 
 from kvshift_memory import InvalidInputError, KVShiftEngine, MemoryRecord, MemoryStore
-from kvshift_memory.agent.recall import archive, last_sentence, recall
-from kvshift_memory.agent.writeback import WriteBackModel
-from kvshift_memory.markers import render_memories, strip_markers
+from kvshift_memory.adapters import WriteBackModel, archive, last_sentence, recall, render_memories, strip_markers
 
 __all__ = ["KVShiftMemory"]
 
@@ -138,7 +137,9 @@ class KVShiftMemory(BaseMemory):
                 self._attach(self._entries[-1], recalled)
             messages = [self._rendered(entry) for entry in self._entries[self._start :]]
             if input is not None and recalled:
-                messages.append(ChatMessage(role=MessageRole.USER, content=render_memories(recalled, self.memories_header)))
+                messages.append(
+                    ChatMessage(role=MessageRole.USER, content=render_memories(recalled, self.memories_header))
+                )
             return messages
 
     def get_all(self) -> list[ChatMessage]:
@@ -194,9 +195,9 @@ class KVShiftMemory(BaseMemory):
             return ""
         return last.message.content or ""
 
-    def _shown(self) -> set[tuple[str, int]]:
+    def _shown(self) -> builtins.set[tuple[str, int]]:
         """(id, version) of the memories whose text the window shows already."""
-        shown = set()
+        shown: builtins.set[tuple[str, int]] = builtins.set()
         for entry in self._entries[self._start :]:
             shown.update((record.id, record.version) for record in entry.recalled)
             if entry.archived is not None:
@@ -256,7 +257,12 @@ class KVShiftMemory(BaseMemory):
         replies = [e for e in self._entries[: users[-1]] if e.message.role == MessageRole.ASSISTANT]
         previous = last_sentence(replies[-1].message.content or "") if replies else ""
         _, decision, record = archive(
-            self._rule, self.store, turn.message.content or "", previous, user_id=self.user_id, session_id=self.session_id
+            self._rule,
+            self.store,
+            turn.message.content or "",
+            previous,
+            user_id=self.user_id,
+            session_id=self.session_id,
         )
         if record is None or decision != "archive":  # nothing stored (or a request to forget, which deleted it)
             return
