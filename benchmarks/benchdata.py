@@ -11,13 +11,24 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import random
+import subprocess
 from dataclasses import dataclass
+from datetime import datetime, timezone
 from pathlib import Path
 
-__all__ = ["Instance", "build_instances", "locomo_dir", "locomo_turns", "memorybank_instances", "write_report"]
+__all__ = [
+    "Instance",
+    "build_instances",
+    "locomo_dir",
+    "locomo_turns",
+    "memorybank_instances",
+    "provenance",
+    "write_report",
+]
 
 MIN_FRAGMENT_TOKENS = 40
 MAX_FRAGMENT_TOKENS = 250
@@ -169,8 +180,47 @@ def locomo_turns(limit: int) -> list[str]:
     return turns[:limit]
 
 
+def provenance() -> dict[str, object]:
+    """What a result was measured on: the commit, whether the checkout had uncommitted changes
+    (to tracked code; results files excepted), and when (UTC)."""
+    root = Path(__file__).resolve().parents[1]
+
+    def git(*args: str) -> str | None:
+        try:
+            done = subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, timeout=30)
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+        return done.stdout.strip() if done.returncode == 0 else None
+
+    status = git("status", "--porcelain", "--untracked-files=no", "--", ".", ":!benchmarks/results")
+    return {
+        "commit": git("rev-parse", "HEAD"),
+        "dirty": None if status is None else bool(status),
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
 def write_report(path: Path, report: dict) -> None:
-    """Write a benchmark's JSON report (creating its folder) and say where."""
+    """Write a benchmark's JSON report (creating its folder), with its :func:`provenance`, and say where."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(report, indent=1))
+    path.write_text(json.dumps({**report, "provenance": provenance()}, indent=1))
     print(f"wrote {path}")
+
+
+def main() -> None:
+    """Say where the data sets are read from and what they hold (nothing is written)."""
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.parse_args()
+    print(f"data folder: {data_dir()} ($KVSHIFT_DATA overrides)")
+    locomo = locomo_dir() / "locomo10.json"
+    print(
+        f"LoCoMo: {len(json.loads(locomo.read_text()))} conversations"
+        if locomo.exists()
+        else f"LoCoMo: missing ({locomo})"
+    )
+    memorybank = data_dir() / "memorybank_en"
+    print(f"MemoryBank: {'present' if memorybank.exists() else 'missing'} ({memorybank})")
+
+
+if __name__ == "__main__":
+    main()

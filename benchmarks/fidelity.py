@@ -58,7 +58,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchdata import build_instances, conversation_context, locomo_dir, memorybank_instances  # noqa: E402
+from benchdata import build_instances, conversation_context, locomo_dir, memorybank_instances, write_report  # noqa: E402
 
 from kvshift_memory import KVShiftEngine  # noqa: E402
 
@@ -528,9 +528,8 @@ def main() -> None:
         if "_own_contexts_holding_the_answer" in summary:
             print(f"own-conversation contexts holding the gold answer: {summary['_own_contexts_holding_the_answer']}")
     report["elapsed_s"] = time.time() - started
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps(report, indent=1))
-    print(f"\nwrote {args.output} in {report['elapsed_s']:.0f} s")
+    write_report(args.output, report)
+    print(f"in {report['elapsed_s']:.0f} s")
 
 
 if __name__ == "__main__":

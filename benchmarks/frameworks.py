@@ -17,7 +17,7 @@ Prints a table and writes ``benchmarks/results/frameworks.json``.
 
 from __future__ import annotations
 
-import json
+import argparse
 import platform
 import sys
 import tempfile
@@ -36,6 +36,9 @@ from kvshift_memory import KVShiftEngine, MemoryStore
 from langchain_kvshift import ChatKVShift, KVShiftMemory
 from llama_index.llms.kvshift import KVShiftLLM
 from llama_index.memory.kvshift import KVShiftMemory as LlamaKVShiftMemory
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from benchdata import write_report
 
 with warnings.catch_warnings():  # deprecated in LangChain, still what many users run
     warnings.simplefilter("ignore")
@@ -131,6 +134,9 @@ def rows(reusing: list[dict], baseline: list[dict]) -> list[dict]:
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--output", type=Path, default=RESULTS / "frameworks.json")
+    args = parser.parse_args()
     torch.set_num_threads(2)
     engine = KVShiftEngine.shared()
     engine.generate("Hello!", max_new_tokens=4)  # warm-up: neither run pays for the first call
@@ -158,9 +164,7 @@ def main() -> None:
                 f"{row['turn']:>4} {row['prompt_tokens']:>6} {row['from_cache']:>10.0%} {row['fragments_hit']:>9} "
                 f"{row['ttft_s'] * 1000:>6.0f}ms {row['ttft_none_s'] * 1000:>7.0f}ms"
             )
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "frameworks.json").write_text(json.dumps(report, indent=1))
-    print(f"\nwrote {RESULTS / 'frameworks.json'}")
+    write_report(args.output, report)
 
 
 if __name__ == "__main__":

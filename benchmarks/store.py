@@ -41,7 +41,7 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "tests"))
-from benchdata import build_instances, locomo_turns  # noqa: E402
+from benchdata import build_instances, locomo_turns, write_report  # noqa: E402
 from fidelity import kl_and_top1  # noqa: E402
 from redis_server import RedisServer  # noqa: E402
 from ttft import QUESTION, memories_of  # noqa: E402
@@ -293,9 +293,7 @@ def main() -> None:
         if "search" in parts:
             part_search(embedder, [int(s) for s in args.search_sizes.split(",")], args.repeats, report)
             report["search_command"] = command
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps(report, indent=1))
-    print(f"\nwrote {args.output}")
+    write_report(args.output, report)
 
 
 if __name__ == "__main__":

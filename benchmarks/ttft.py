@@ -24,7 +24,6 @@ Prints a table and writes ``benchmarks/results/ttft.json``.
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import statistics
 import sys
@@ -33,7 +32,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchdata import build_instances  # noqa: E402
+from benchdata import build_instances, write_report  # noqa: E402
 
 from kvshift_memory import KVShiftEngine  # noqa: E402
 
@@ -138,9 +137,8 @@ def main() -> None:
         }
         cells = " ".join(f"{medians[c]:>7.3f}s {speedup[c]:>5.1f}x" for c in conditions)
         print(f"{size:>8} {prompt:>7} {cells}  decode {decode:.1f} tok/s", flush=True)
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps(report, indent=1))
-    print(f"\nblend recomputes {ratio:.0%} of fragment tokens; wrote {args.output}")
+    print(f"\nblend recomputes {ratio:.0%} of fragment tokens")
+    write_report(args.output, report)
 
 
 if __name__ == "__main__":

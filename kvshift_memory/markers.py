@@ -40,7 +40,7 @@ _CLOSE = "⟦/mem⟧"
 MAX_RESOLVED_MARKERS = 256
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class MarkedSpan:
     """A piece of text, and the memory it claims to be (``None`` for plain text)."""
 
@@ -81,17 +81,22 @@ def parse_markers(text: str) -> list[MarkedSpan]:
         opening = _OPEN.search(text, position)
         if opening is None:
             break
-        following = _ANY_MARKER.search(text, opening.end())
-        position = opening.end()
+        start, position = opening.span()
+        following = _ANY_MARKER.search(text, position)
         # a span is an opening whose next marker-shaped sequence is its close: anything else
         # (unterminated, nested, another opening first) leaves the opening as plain text
         if following is None or following.group() != _CLOSE:
             continue
-        spans.append(MarkedSpan(strip_markers(text[plain_start : opening.start()])))
-        spans.append(MarkedSpan(text[opening.end() : following.start()], opening.group(1), int(opening.group(2))))
+        if plain_start < start:
+            plain = strip_markers(text[plain_start:start])
+            if plain:
+                spans.append(MarkedSpan(plain))
+        spans.append(MarkedSpan(text[position : following.start()], opening.group(1), int(opening.group(2))))
         plain_start = position = following.end()
-    spans.append(MarkedSpan(strip_markers(text[plain_start:])))
-    return [span for span in spans if span.text or span.memory_id is not None]
+    rest = strip_markers(text[plain_start:])
+    if rest:
+        spans.append(MarkedSpan(rest))
+    return spans
 
 
 def resolve_markers(text: str, store: Any, *, tenant: str, session_id: str | None = None) -> list[str | MemoryRecord]:

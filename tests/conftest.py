@@ -17,7 +17,8 @@ torch.set_num_threads(min(2, torch.get_num_threads()))
 
 VOCAB = 49152  # the bundled tokenizer's, so tiny models can be driven with real text
 
-_COMMON = dict(
+#: the shape every tiny test model shares (families add what they need)
+TINY_SHAPE = dict(
     vocab_size=VOCAB,
     hidden_size=64,
     intermediate_size=128,
@@ -29,19 +30,19 @@ _COMMON = dict(
 
 #: One tiny config per family the engine shifts; each is proven exact in test_families.py.
 TINY_CONFIGS = {
-    "llama": lambda: transformers.LlamaConfig(**_COMMON),
-    "mistral": lambda: transformers.MistralConfig(**_COMMON, sliding_window=None),
-    "qwen2": lambda: transformers.Qwen2Config(**_COMMON),
-    "qwen3": lambda: transformers.Qwen3Config(**_COMMON, head_dim=16),
-    "gemma": lambda: transformers.GemmaConfig(**_COMMON, head_dim=16),
-    "gemma2": lambda: transformers.Gemma2Config(**_COMMON, head_dim=16, sliding_window=8192),
+    "llama": lambda: transformers.LlamaConfig(**TINY_SHAPE),
+    "mistral": lambda: transformers.MistralConfig(**TINY_SHAPE, sliding_window=None),
+    "qwen2": lambda: transformers.Qwen2Config(**TINY_SHAPE),
+    "qwen3": lambda: transformers.Qwen3Config(**TINY_SHAPE, head_dim=16),
+    "gemma": lambda: transformers.GemmaConfig(**TINY_SHAPE, head_dim=16),
+    "gemma2": lambda: transformers.Gemma2Config(**TINY_SHAPE, head_dim=16, sliding_window=8192),
     "gemma3_text": lambda: transformers.Gemma3TextConfig(
-        **{**_COMMON, "num_hidden_layers": 3},
+        **{**TINY_SHAPE, "num_hidden_layers": 3},
         head_dim=16,
         sliding_window=8192,
         layer_types=["sliding_attention", "sliding_attention", "full_attention"],
     ),
-    "phi3": lambda: transformers.Phi3Config(**_COMMON, pad_token_id=0),
+    "phi3": lambda: transformers.Phi3Config(**TINY_SHAPE, pad_token_id=0),
     "gpt_neox": lambda: transformers.GPTNeoXConfig(
         vocab_size=VOCAB,
         hidden_size=64,
@@ -59,6 +60,34 @@ def tiny_model(config: transformers.PretrainedConfig, seed: int = 0) -> torch.nn
     config._attn_implementation = "eager"
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     return model.eval()
+
+
+def first_logits(engine, messages, memories=None, reuse="none", ratio=None) -> torch.Tensor:
+    """The next-token logits after the prompt, under ``reuse``."""
+    return engine.prefill(engine.plan(messages, memories, reuse=reuse, recompute_ratio=ratio)).logits
+
+
+def partition_holds(stats) -> bool:
+    """Whether the prompt's tokens split exactly into reused, recomputed, encoded and prefilled."""
+    parts = stats.reused_tokens + stats.recomputed_tokens + stats.encoded_tokens + stats.prefilled_tokens
+    return parts == stats.prompt_tokens
+
+
+#: short memories the tiny-model engine tests place and shift
+MEMORIES = [
+    "Budget for the Lisbon trip: 50k euros.",
+    "Alice's dog is called Biscuit and loves the beach.",
+    "The team meeting moved to Thursday at 3pm.",
+    "Alice is allergic to peanuts.",
+]
+
+
+@pytest.fixture(scope="module")
+def tiny_engine(tokenizer):
+    """An engine over a tiny random Llama and the bundled tokenizer (fresh for each test module)."""
+    from kvshift_memory import KVShiftEngine
+
+    return KVShiftEngine(tiny_model(TINY_CONFIGS["llama"]()), tokenizer)
 
 
 @pytest.fixture(scope="session")

@@ -9,35 +9,11 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
-from conftest import TINY_CONFIGS, VOCAB, tiny_model
 
+from conftest import MEMORIES, TINY_CONFIGS, VOCAB, first_logits, partition_holds, tiny_model
 from kvshift_memory import GenerationResult, GenerationStream, KVShiftEngine, ScoreResult
-from kvshift_memory.engine.blend import reads_lead
 from kvshift_memory.engine.prompt import TokenMemo, common_prefix
-from kvshift_memory.engine.speakers import cast_speakers
-from kvshift_memory.exceptions import ContextOverflowError, InvalidInputError
-
-MEMORIES = [
-    "Budget for the Lisbon trip: 50k euros.",
-    "Alice's dog is called Biscuit and loves the beach.",
-    "The team meeting moved to Thursday at 3pm.",
-    "Alice is allergic to peanuts.",
-]
-
-
-@pytest.fixture(scope="module")
-def tiny_engine(tokenizer):
-    return KVShiftEngine(tiny_model(TINY_CONFIGS["llama"]()), tokenizer)
-
-
-def _first_logits(engine: KVShiftEngine, messages, memories=None, reuse="none", ratio=None) -> torch.Tensor:
-    return engine.prefill(engine.plan(messages, memories, reuse=reuse, recompute_ratio=ratio)).logits
-
-
-def _partition_holds(stats) -> bool:
-    parts = stats.reused_tokens + stats.recomputed_tokens + stats.encoded_tokens + stats.prefilled_tokens
-    return parts == stats.prompt_tokens
-
+from kvshift_memory.exceptions import InvalidInputError
 
 # ---------------------------------------------------------------- exact prefix reuse (bundled model)
 
@@ -79,8 +55,8 @@ def test_prefix_reuse_matches_full_recompute_on_20_prompts(bundled_engine):
     worst = 0.0
     for question in QUESTIONS:
         messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
-        full = _first_logits(engine, messages, reuse="none")
-        reused = _first_logits(engine, messages, reuse="prefix")
+        full = first_logits(engine, messages, reuse="none")
+        reused = first_logits(engine, messages, reuse="prefix")
         worst = max(worst, float((full - reused).abs().max()))
         a = engine.generate(messages, reuse="none", max_new_tokens=8)
         b = engine.generate(messages, reuse="prefix", max_new_tokens=8)
@@ -104,8 +80,8 @@ def test_generations_in_a_row_from_one_cached_prefix_are_identical(bundled_engin
 def test_blend_recomputing_every_fragment_token_is_exact(bundled_engine):
     messages = [{"role": "user", "content": "What is the budget for the Lisbon trip?"}]
     bundled_engine.clear_cache()
-    full = _first_logits(bundled_engine, messages, MEMORIES, reuse="none")
-    blended = _first_logits(bundled_engine, messages, MEMORIES, reuse="blend", ratio=1.0)
+    full = first_logits(bundled_engine, messages, MEMORIES, reuse="none")
+    blended = first_logits(bundled_engine, messages, MEMORIES, reuse="blend", ratio=1.0)
     assert (full - blended).abs().max() <= 1e-3
 
 
@@ -115,10 +91,10 @@ def test_blend_recomputing_every_token_of_long_memories_is_exact(bundled_engine)
     memories = [f"{text} " * 40 for text in MEMORIES]
     messages = [{"role": "user", "content": "What is the budget for the Lisbon trip?"}]
     bundled_engine.clear_cache()
-    full = _first_logits(bundled_engine, messages, memories, reuse="none")
+    full = first_logits(bundled_engine, messages, memories, reuse="none")
     span = bundled_engine.generate(messages, memories, reuse="blend", recompute_ratio=1.0, max_new_tokens=1).stats
     assert span.recomputed_tokens > 2 * bundled_engine.settings.recompute_window
-    blended = _first_logits(bundled_engine, messages, memories, reuse="blend", ratio=1.0)
+    blended = first_logits(bundled_engine, messages, memories, reuse="blend", ratio=1.0)
     assert (full - blended).abs().max() <= 1e-3
 
 
@@ -155,7 +131,7 @@ def test_reuse_modes_and_stats(tiny_engine):
     assert warm.stats.fragments_hit == len(MEMORIES) and warm.stats.fragments_missed == 0
     assert warm.stats.reused_tokens > 0
     for result in (none, cold, warm):
-        assert _partition_holds(result.stats)
+        assert partition_holds(result.stats)
         assert result.stats.ttft_s > 0
         assert result.stats.generated_tokens == len(result.token_ids)
 
@@ -337,228 +313,6 @@ def test_the_shared_engine_is_loaded_once_per_model():
     assert KVShiftEngine.shared() is KVShiftEngine.shared(None)
 
 
-def test_warm_encodes_once(tiny_engine):
-    tiny_engine.clear_cache()
-    assert tiny_engine.warm(MEMORIES, "q") == len(MEMORIES)
-    assert len(tiny_engine.fragments) == 2 * len(MEMORIES)  # each memory's lead fragment too
-    assert tiny_engine.warm(MEMORIES, "q") == 0
-    result = tiny_engine.generate("q", MEMORIES, reuse="blend", max_new_tokens=1)
-    assert result.stats.fragments_hit == len(MEMORIES)
-    tiny_engine.clear_cache()
-    assert tiny_engine.warm(MEMORIES, "q", lead_fragments=False) == len(MEMORIES)
-    assert len(tiny_engine.fragments) == len(MEMORIES)
-    with pytest.raises(InvalidInputError):
-        tiny_engine.warm(MEMORIES, "q", lead_fragments="yes")
-
-
-def _slot_kv(engine: KVShiftEngine, messages, memories, reuse, ratio=None) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    plan = engine.plan(messages, memories, reuse=reuse, recompute_ratio=ratio)
-    return engine.prefill(plan).cache.view(0, plan.layout.length)
-
-
-def _span_error(engine: KVShiftEngine, memories, index: int) -> float:
-    """Largest |ΔK| over memory ``index``'s slots between the shifted prompt (warmed, no repair) and full recompute."""
-    layout = engine.plan("q", memories, reuse="blend", recompute_ratio=0.0).layout
-    span = layout.fragments[index]
-    full = _slot_kv(engine, "q", memories, "none")
-    engine.clear_cache(fragments=False)
-    shifted = _slot_kv(engine, "q", memories, "blend", 0.0)
-    slots = slice(span.start, span.end)
-    return max(float((a[0] - b[0])[..., slots, :].abs().max()) for a, b in zip(full, shifted, strict=True))
-
-
-def test_the_memory_opening_the_block_is_read_exactly_from_its_lead_fragment(tiny_engine, tokenizer):
-    tiny_engine.clear_cache()
-    tiny_engine.warm(MEMORIES, "q")
-    assert _span_error(tiny_engine, MEMORIES, 0) < 1e-5
-    assert _span_error(tiny_engine, MEMORIES, 1) > 1e-3  # the others are shifted: what the blend repairs
-    # the lead fragment is the memory's own: another memory opening the block reads its own
-    reordered = MEMORIES[::-1]
-    assert _span_error(tiny_engine, reordered, 0) < 1e-5
-    # a single memory is then exact end to end, at any ratio
-    reference = _first_logits(tiny_engine, "q", MEMORIES[:1], reuse="none")
-    tiny_engine.clear_cache(fragments=False)
-    assert (_first_logits(tiny_engine, "q", MEMORIES[:1], reuse="blend", ratio=0.0) - reference).abs().max() < 1e-4
-
-    without = KVShiftEngine(tiny_engine.model, tokenizer, fingerprint=tiny_engine.fingerprint, lead_fragments=False)
-    without.warm(MEMORIES, "q")
-    assert _span_error(without, MEMORIES, 0) > 1e-3
-
-
-def test_a_lead_fragment_is_not_encoded_at_question_time_when_the_ordinary_one_is_cached(tiny_engine):
-    tiny_engine.clear_cache()
-    tiny_engine.warm(MEMORIES, "q", lead_fragments=False)
-    # shift only: at the default ratio memories this short are recomputed whole, never placed
-    stats = tiny_engine.generate("q", MEMORIES, reuse="blend", recompute_ratio=0.0, max_new_tokens=1).stats
-    assert stats.fragments_hit == len(MEMORIES) and stats.fragments_missed == 0 and stats.encoded_tokens == 0
-    assert _span_error(tiny_engine, MEMORIES, 0) > 1e-3  # shifted, as the others
-    # cold, the memory opening the block is encoded as it reads there (its lead fragment), the others as usual
-    tiny_engine.clear_cache()
-    cold = tiny_engine.generate("q", MEMORIES, reuse="blend", recompute_ratio=0.0, max_new_tokens=1).stats
-    assert cold.fragments_missed == len(MEMORIES) and _partition_holds(cold)
-    assert len(tiny_engine.fragments) == len(MEMORIES)
-    assert _span_error(tiny_engine, MEMORIES, 0) < 1e-5
-
-
-def test_memories_in_a_user_message_or_after_a_fixed_system_message_have_no_lead(tiny_engine):
-    tiny_engine.clear_cache()
-    tiny_engine.warm(MEMORIES, "q")
-    messages = [{"role": "user", "content": "q", "memories": MEMORIES}]
-    layout = tiny_engine.plan(messages, reuse="blend", recompute_ratio=0.0).layout
-    assert not reads_lead(tiny_engine, layout, layout.fragments[0])
-    tiny_engine.clear_cache()
-    fixed = "You remember what the user told you."
-    tiny_engine.warm(MEMORIES, "q", fragments_after=fixed)
-    assert len(tiny_engine.fragments) == len(MEMORIES)  # its conditioning is not this prompt's start
-
-
-def test_fragments_encoded_after_a_fixed_system_message_serve_any_system_message(tiny_engine):
-    tiny_engine.clear_cache()
-    fixed = "You remember what the user told you."
-    assert tiny_engine.warm(MEMORIES, fragments_after=fixed) == len(MEMORIES)
-    for documents in ("Document: Lisbon has trams.", "Document: Porto has bridges."):  # a system message that changes
-        messages = [{"role": "system", "content": documents}, {"role": "user", "content": "q"}]
-        without = tiny_engine.generate(messages, MEMORIES, max_new_tokens=1, recompute_ratio=0.0)
-        assert without.stats.fragments_hit == 0  # by default fragments are encoded after this prompt's own
-        tiny_engine.clear_cache(fragments=False)
-        fixed_stats = tiny_engine.generate(
-            messages, MEMORIES, max_new_tokens=1, fragments_after=fixed, recompute_ratio=0.0
-        ).stats
-        assert fixed_stats.fragments_hit == len(MEMORIES) and fixed_stats.fragments_missed == 0
-    with pytest.raises(InvalidInputError):
-        tiny_engine.generate("q", MEMORIES, fragments_after="  ")
-
-
-def test_encode_context_per_call_keys_the_fragments(tiny_engine):
-    tiny_engine.clear_cache()
-    own = "Alice: I booked the flights to Lisbon.\nBob: Great, and the hotel?"
-    assert tiny_engine.warm(MEMORIES, "q", encode_context=own) == len(MEMORIES)
-    hit = tiny_engine.generate("q", MEMORIES, max_new_tokens=1, encode_context=own).stats
-    assert hit.fragments_hit == len(MEMORIES) and hit.encoded_tokens == 0
-    tiny_engine.clear_cache(fragments=False)
-    default = tiny_engine.generate("q", MEMORIES, max_new_tokens=1).stats  # settings.encode_context: not warmed
-    assert default.fragments_missed == len(MEMORIES) - 1 and default.fragments_hit == 1  # the lead one is shared
-    shifted = {}
-    for name, context in (("own", own), ("default", None)):
-        tiny_engine.clear_cache(fragments=False)
-        shifted[name] = tiny_engine.score(
-            "q", MEMORIES, "Lisbon", reuse="blend", recompute_ratio=0.0, encode_context=context
-        )
-    assert shifted["own"].logprobs != shifted["default"].logprobs  # the context shapes the shifted K/V
-    full = tiny_engine.score("q", MEMORIES, "Lisbon", reuse="none").logprobs
-    exact = tiny_engine.score("q", MEMORIES, "Lisbon", reuse="blend", recompute_ratio=1.0, encode_context=own).logprobs
-    assert exact == pytest.approx(full, abs=1e-4)
-    # an empty context: fragments follow the system message alone, so no lead fragment is needed
-    tiny_engine.clear_cache()
-    assert tiny_engine.warm(MEMORIES, "q", encode_context="") == len(MEMORIES)
-    assert len(tiny_engine.fragments) == len(MEMORIES)
-
-
-DIALOGUES = [
-    "(1 May)\nJohn: I signed with the Minnesota Wolves.\nTim: Congrats, John!",
-    "(2 May)\nTim: I started learning the violin.\nJohn: Nice, Tim.",
-    "(3 May)\nAnna: We moved to Porto.\nBen: How is it?",
-    "Alice is allergic to peanuts.",
-]
-
-
-def _fragments_by_memory(engine: KVShiftEngine, memories) -> list:
-    layout = engine.plan("q", memories, reuse="blend", recompute_ratio=0.0).layout
-    by_tokens = {fragment.token_ids: fragment for fragment in engine.fragments.values()}
-    return [by_tokens[span.token_ids] for span in layout.fragments]
-
-
-def test_a_dialogue_is_encoded_after_the_context_recast_with_its_own_speakers(tiny_engine, tokenizer):
-    tiny_engine.clear_cache()
-    assert tiny_engine.warm(DIALOGUES, "q", lead_fragments=False) == len(DIALOGUES)
-    fragments = _fragments_by_memory(tiny_engine, DIALOGUES)
-    digests = [fragment.context_digest for fragment in fragments]
-    assert digests[0] == digests[1]  # the same two people, whoever speaks first: one context
-    assert len(set(digests)) == 3  # John and Tim, Anna and Ben, no speakers
-    hit = tiny_engine.generate("q", DIALOGUES, max_new_tokens=1).stats
-    assert hit.fragments_hit == len(DIALOGUES) and hit.encoded_tokens == 0
-
-    # each fragment is exactly the one encoded after the recast context given as the context
-    plain = KVShiftEngine(tiny_engine.model, tokenizer, fingerprint=tiny_engine.fingerprint, match_speakers=False)
-    context = tiny_engine.settings.encode_context
-    for memory, fragment in zip(DIALOGUES, fragments, strict=False):
-        plain.clear_cache()
-        plain.warm([memory], "q", lead_fragments=False, encode_context=cast_speakers(context, memory))
-        (expected,) = _fragments_by_memory(plain, [memory])
-        assert expected.context_digest == fragment.context_digest
-        pairs = zip(expected.keys + expected.values, fragment.keys + fragment.values, strict=True)
-        assert all(torch.equal(a, b) for a, b in pairs)
-
-    # without speaker matching every memory shares the context as written, and reads differently
-    plain.clear_cache()
-    plain.warm(DIALOGUES, "q", lead_fragments=False)
-    assert len({fragment.context_digest for fragment in _fragments_by_memory(plain, DIALOGUES)}) == 1
-    shifted = {}
-    for name, engine in (("matched", tiny_engine), ("plain", plain)):
-        engine.clear_cache(fragments=False)
-        shifted[name] = engine.score("q", DIALOGUES, "Wolves", reuse="blend", recompute_ratio=0.0).logprobs
-    assert shifted["matched"] != shifted["plain"]
-    # full recompute never sees a context: recomputing every token is exact either way
-    full = tiny_engine.score("q", DIALOGUES, "Wolves", reuse="none").logprobs
-    for engine in (tiny_engine, plain):
-        exact = engine.score("q", DIALOGUES, "Wolves", reuse="blend", recompute_ratio=1.0).logprobs
-        assert exact == pytest.approx(full, abs=1e-4)
-
-
-def test_a_dialogue_too_long_after_its_recast_context_falls_back(tiny_engine):
-    tiny_engine.clear_cache()
-    # short as written, too long once its speaker "A" takes a name of several tokens
-    name = "Zxqvwkjhgfdsa"
-    memory = f"{name}: hello there"
-    context = "A: hi\n" + "A " * (tiny_engine.max_positions // 2)
-    assert tiny_engine.count_tokens(cast_speakers(context, memory)) > tiny_engine.max_positions
-    assert tiny_engine.warm(["hello there"], "q", encode_context=context) == 1
-    with pytest.raises(ContextOverflowError, match="encode context"):
-        tiny_engine.warm([memory], "q", encode_context=context)
-    result = tiny_engine.generate("q", [memory], reuse="blend", max_new_tokens=1, encode_context=context)
-    assert result.stats.reuse == "prefix" and "encode context" in result.stats.fallback_reason
-
-
-@pytest.mark.parametrize("bad", [5, b"bytes", ["list"], "\ud800", "x" * 3_000_000])
-def test_bad_encode_context_is_refused_before_anything_changes(tiny_engine, bad):
-    tiny_engine.clear_cache()
-    for call in (
-        lambda: tiny_engine.warm(MEMORIES, "q", encode_context=bad),
-        lambda: tiny_engine.generate("q", MEMORIES, max_new_tokens=1, encode_context=bad),
-        lambda: tiny_engine.score("q", MEMORIES, "x", encode_context=bad),
-    ):
-        with pytest.raises(InvalidInputError, match="encode_context"):
-            call()
-    assert len(tiny_engine.fragments) == 0 and len(tiny_engine.prefix_cache) == 0
-
-
-def test_encode_context_too_long_for_the_window(tiny_engine):
-    tiny_engine.clear_cache()
-    long_context = "memory " * (tiny_engine.max_positions - 20)
-    with pytest.raises(ContextOverflowError, match="encode context"):
-        tiny_engine.warm(MEMORIES, "q", encode_context=long_context)
-    assert len(tiny_engine.fragments) == 0
-    # a question is answered all the same, by exact prefix reuse, and says why
-    result = tiny_engine.generate("q", MEMORIES, reuse="blend", max_new_tokens=3, encode_context=long_context)
-    assert result.stats.reuse == "prefix" and "encode context" in result.stats.fallback_reason
-    tiny_engine.clear_cache()
-    assert result.token_ids == tiny_engine.generate("q", MEMORIES, reuse="none", max_new_tokens=3).token_ids
-    assert len(tiny_engine.fragments) == 0
-
-
-def test_generation_does_not_mutate_cached_fragments(tiny_engine):
-    tiny_engine.clear_cache()
-    tiny_engine.warm(MEMORIES, "q")
-    fragments = list(tiny_engine.fragments.values())  # lead and ordinary fragments
-    before = [tuple(t.clone() for t in f.keys + f.values) for f in fragments]
-    tiny_engine.generate("q", MEMORIES, reuse="blend", recompute_ratio=0.5, max_new_tokens=4)
-    for old, fragment in zip(before, fragments, strict=True):
-        assert all(torch.equal(x, y) for x, y in zip(old, fragment.keys + fragment.values, strict=True))
-
-
-# ---------------------------------------------------------------- fallback
-
-
 def test_absolute_positions_fall_back_to_exact_prefix_reuse(tokenizer):
     gpt2 = tiny_model(transformers.GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=1024))
     engine = KVShiftEngine(gpt2, tokenizer)
@@ -603,7 +357,7 @@ def test_a_memory_in_a_user_message_shares_the_system_placements_fragment(tiny_e
     )  # shift only: placed, not recomputed whole
     stats = result.stats
     assert stats.reuse == "blend" and stats.fragments_hit == 2 and stats.fragments_missed == 0
-    assert _partition_holds(stats)
+    assert partition_holds(stats)
 
 
 def test_memories_in_two_messages_without_a_cache_are_exact_at_full_recompute(tiny_engine):
@@ -613,9 +367,9 @@ def test_memories_in_two_messages_without_a_cache_are_exact_at_full_recompute(ti
         {"role": "assistant", "content": "First answer."},
         {"role": "user", "content": "Second question?", "memories": MEMORIES[2:]},
     ]
-    reference = _first_logits(tiny_engine, messages, reuse="none")
+    reference = first_logits(tiny_engine, messages, reuse="none")
     tiny_engine.clear_cache()
-    blended = _first_logits(tiny_engine, messages, reuse="blend", ratio=1.0)
+    blended = first_logits(tiny_engine, messages, reuse="blend", ratio=1.0)
     assert (blended - reference).abs().max() < 1e-4  # the earlier group was read as text, the last recomputed
 
 
@@ -675,7 +429,7 @@ def test_a_prompt_with_a_stretch_cut_out_reuses_what_follows_shifted(tiny_engine
         - tiny_engine.plan(long[:1], reuse="none").layout.length
     )
     assert stats.shifted_tokens >= expected - 16  # everything after the cut but the last message
-    assert stats.reused_tokens > stats.shifted_tokens and _partition_holds(stats)
+    assert stats.reused_tokens > stats.shifted_tokens and partition_holds(stats)
     tiny_engine.clear_cache()
     tiny_engine.generate(long, max_new_tokens=2, reuse="prefix")
     exact = tiny_engine.generate(cut, max_new_tokens=2, reuse="prefix")
@@ -766,7 +520,7 @@ def test_memories_the_blend_would_recompute_whole_take_one_exact_pass(tiny_engin
     stats = blend.stats
     assert stats.reuse == "blend" and stats.fragments_recomputed == len(MEMORIES)
     assert stats.fragments_hit == stats.fragments_missed == 0 and stats.encoded_tokens == 0
-    assert _partition_holds(stats)
+    assert partition_holds(stats)
     # past the minimum the blend places fragments as before
     shifted = tiny_engine.score("q", MEMORIES, "Lisbon in May", reuse="blend", recompute_ratio=0.0).stats
     assert shifted.fragments_hit == len(MEMORIES) and shifted.fragments_recomputed == 0

@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
-from conftest import TINY_CONFIGS, VOCAB, tiny_model
 
+from conftest import TINY_CONFIGS, TINY_SHAPE, VOCAB, tiny_model
 from kvshift_memory.engine.attention import ATTENTION_NAME
 from kvshift_memory.engine.families import SHIFTABLE_FAMILIES, position_scheme
 from kvshift_memory.kv.cache import ForwardStep, ShiftCache
@@ -118,10 +118,10 @@ FALLBACK_CONFIGS = {
         vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=1024
     ),
     "llama with dynamic NTK": lambda: transformers.LlamaConfig(
-        **{**_tiny_llama_kwargs(), "rope_parameters": {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}}
+        **{**TINY_SHAPE, "rope_parameters": {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}}
     ),
     "phi3 with LongRoPE": lambda: transformers.Phi3Config(
-        **_tiny_llama_kwargs(),
+        **TINY_SHAPE,
         pad_token_id=0,
         original_max_position_embeddings=256,
         rope_parameters={
@@ -134,18 +134,6 @@ FALLBACK_CONFIGS = {
 }
 
 
-def _tiny_llama_kwargs() -> dict:
-    return dict(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=8192,
-    )
-
-
 @pytest.mark.parametrize("label", sorted(FALLBACK_CONFIGS))
 def test_unshiftable_positions_are_detected(label):
     scheme = position_scheme(tiny_model(FALLBACK_CONFIGS[label]()))
@@ -155,7 +143,7 @@ def test_unshiftable_positions_are_detected(label):
 
 
 def test_sliding_window_blocks_shift_only_past_the_window():
-    config = transformers.MistralConfig(**_tiny_llama_kwargs(), sliding_window=64)
+    config = transformers.MistralConfig(**TINY_SHAPE, sliding_window=64)
     scheme = position_scheme(tiny_model(config))
     assert scheme.shiftable and scheme.min_sliding_window == 64
     assert scheme.blocks_shift(64) is None

@@ -41,6 +41,47 @@ def test_all_is_pinned():
         assert hasattr(kvshift_memory, name)
 
 
+ADAPTERS = {
+    "FEATURES",
+    "Decision",
+    "Engine",
+    "MarkedSpan",
+    "Store",
+    "WriteBackModel",
+    "archive",
+    "archived_text",
+    "explicit_request",
+    "forget_closest",
+    "last_sentence",
+    "marked_user_message",
+    "parse_markers",
+    "recall",
+    "render_marker",
+    "render_memories",
+    "resolve_markers",
+    "strip_markers",
+    "turn_features",
+}
+
+
+def test_the_adapter_surface_is_pinned_and_the_integrations_use_nothing_else():
+    import ast
+    import pathlib
+
+    from kvshift_memory import adapters
+
+    assert set(adapters.__all__) == ADAPTERS
+    for name in adapters.__all__:
+        assert hasattr(adapters, name)
+    integrations = pathlib.Path(kvshift_memory.__file__).parent.parent / "integrations"
+    for path in integrations.rglob("*.py"):
+        if "tests" in path.parts:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("kvshift_memory"):
+                assert node.module in ("kvshift_memory", "kvshift_memory.adapters"), f"{path}: {node.module}"
+
+
 def test_every_error_derives_from_the_base():
     for name in exceptions.__all__:
         error = getattr(exceptions, name)

@@ -13,8 +13,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..exceptions import StoreError
-from .index import IndexHit, _fresh_state, _LogFollower, _parse_state
 from .keywords import sparse_terms
+from .log_follower import IndexHit, LogFollower, fresh_state, parse_state
 
 __all__ = ["QdrantIndex"]
 
@@ -24,7 +24,7 @@ _STATE_COLLECTION = "kvshift_sync_state"
 _STATE_POINT = str(uuid.UUID(int=1))
 
 
-class QdrantIndex(_LogFollower):
+class QdrantIndex(LogFollower):
     """A collection of one point per live memory on a Qdrant server, with tenant and session payload.
 
     :param location: the server's ``http(s)://`` URL.
@@ -201,8 +201,8 @@ class QdrantIndex(_LogFollower):
     def _read_state(self) -> dict:
         found = self._client.retrieve(_STATE_COLLECTION, ids=[_STATE_POINT], with_payload=True)
         if not found:
-            return _fresh_state()
-        return _parse_state((found[0].payload or {}).get("state"))
+            return fresh_state()
+        return parse_state((found[0].payload or {}).get("state"))
 
     def _write_state(self, state: dict, applied_now: int) -> None:
         from qdrant_client import models
