@@ -10,6 +10,7 @@ random-weight models, built from a config or saved to a temporary folder, are no
 from __future__ import annotations
 
 import contextlib
+import functools
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +30,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.model)
 
 
-def _real_weight_folders() -> list[Path]:
+@functools.cache
+def _real_weight_folders() -> tuple[Path, ...]:
     """Where the bundled weights live: the converted model, its GGUF package, the embedder."""
     from kvshift_memory.embedding import bundled_embedding_path
     from kvshift_memory.engine.loading import bundled_gguf_path, kvshift_home
@@ -38,7 +40,7 @@ def _real_weight_folders() -> list[Path]:
     for locate in (bundled_gguf_path, bundled_embedding_path):
         with contextlib.suppress(Exception):  # not installed: nothing of it can be loaded either
             folders.append(locate().parent)
-    return [folder.resolve() for folder in folders]
+    return tuple(folder.resolve() for folder in folders)
 
 
 @pytest.fixture(autouse=True)

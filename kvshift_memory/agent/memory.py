@@ -232,11 +232,6 @@ class AgentMemory:
         self, message: str, *, stream: Literal[True], max_new_tokens: int | None = None, reuse: str | None = None
     ) -> ReplyStream: ...
 
-    @overload
-    def chat(
-        self, message: str, *, stream: bool, max_new_tokens: int | None = None, reuse: str | None = None
-    ) -> Reply | ReplyStream: ...
-
     def chat(
         self,
         message: str,

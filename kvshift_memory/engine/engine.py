@@ -190,26 +190,6 @@ class KVShiftEngine:
         namespace: str | None = None,
     ) -> GenerationStream: ...
 
-    @overload
-    def generate(
-        self,
-        messages: Sequence[dict[str, Any]] | str,
-        memories: Sequence[Any] | None = None,
-        *,
-        reuse: str | None = None,
-        recompute_ratio: float | None = None,
-        max_new_tokens: int = 64,
-        temperature: float = 0.0,
-        top_p: float = 1.0,
-        top_k: int = 0,
-        seed: int | None = None,
-        stop: str | Sequence[str] | None = None,
-        stream: bool = False,
-        fragments_after: str | None = None,
-        encode_context: str | None = None,
-        namespace: str | None = None,
-    ) -> GenerationResult | GenerationStream: ...
-
     def generate(
         self,
         messages: Sequence[dict[str, Any]] | str,

@@ -97,10 +97,6 @@ class FragmentCache:
     def __len__(self) -> int:
         return len(self._pool)
 
-    @property
-    def nbytes(self) -> int:
-        return self._pool.nbytes
-
     def values(self) -> Iterator[Fragment]:
         """A snapshot of the pooled fragments, most recently used last."""
         return self._pool.values()

@@ -51,10 +51,6 @@ class PrefixCache:
     def __len__(self) -> int:
         return len(self._pool)
 
-    @property
-    def nbytes(self) -> int:
-        return self._pool.nbytes
-
     def clear(self) -> None:
         self._pool.clear()
 
