@@ -7,9 +7,9 @@ import resource
 
 import pytest
 import torch
-from conftest import TINY_CONFIGS, tiny_model
 
 import kvshift_memory.engine.engine as engine_module
+from conftest import TINY_CONFIGS, tiny_model
 from kvshift_memory import EngineSettings, KVShiftEngine
 from kvshift_memory.engine.allocator import keep_freed_memory
 from kvshift_memory.exceptions import InvalidInputError

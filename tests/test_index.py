@@ -249,8 +249,8 @@ def test_a_thread_waits_for_a_busy_index_only_so_long():
     import time
 
     import pytest
-    from conftest import held_elsewhere
 
+    from conftest import held_elsewhere
     from kvshift_memory.exceptions import StoreBusyError
 
     index = MemoryIndex(":memory:", 4, "test", lock_timeout_s=0.2)

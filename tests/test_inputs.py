@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from conftest import TINY_CONFIGS, tiny_model
 
+from conftest import TINY_CONFIGS, tiny_model
 from kvshift_memory import ContextOverflowError, InvalidInputError, KVShiftEngine, KVShiftError
 
 OK = [{"role": "user", "content": "hello"}]

@@ -6,8 +6,8 @@ import importlib.util
 import time
 
 import pytest
-from conftest import TINY_CONFIGS, tiny_model
 
+from conftest import TINY_CONFIGS, tiny_model
 from kvshift_memory import KVShiftEngine, ModelLoadError, ModelNotFoundError
 from kvshift_memory.engine import loading
 

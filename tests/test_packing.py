@@ -6,8 +6,8 @@ import copy
 
 import pytest
 import torch
-from conftest import TINY_CONFIGS, tiny_model
 
+from conftest import TINY_CONFIGS, tiny_model
 from kvshift_memory import KVShiftEngine
 from kvshift_memory.engine.fingerprint import model_fingerprint
 from kvshift_memory.engine.packing import PackedLinear, pack_linear_layers

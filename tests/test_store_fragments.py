@@ -4,10 +4,10 @@ or stale, and re-encoded from text so that the answer does not change."""
 from __future__ import annotations
 
 import pytest
-from conftest import TINY_CONFIGS, tiny_model
 from safetensors.torch import load as load_safetensors
 from test_codec import reseal
 
+from conftest import TINY_CONFIGS, tiny_model
 from kvshift_memory import KVShiftEngine, MemoryStore
 from kvshift_memory.blobs import read_header
 

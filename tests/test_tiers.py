@@ -131,7 +131,6 @@ def test_a_writer_waits_for_a_locked_folder_only_so_long(tmp_path):
     import time
 
     from conftest import held_elsewhere
-
     from kvshift_memory.exceptions import KVShiftError, StoreBusyError
 
     holder, waiter = DiskTier(tmp_path / "kv"), DiskTier(tmp_path / "kv", lock_timeout_s=0.5)
