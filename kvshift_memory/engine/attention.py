@@ -43,12 +43,12 @@ def _key_slots(chunk: torch.Tensor, window: int | None, step: ForwardStep | None
     hi = int(chunk[-1]) + 1
     lo = max(0, int(chunk[0]) - window + 1) if window is not None else 0
     if step is None or step.local_window is None or hi > step.local_before:
-        return torch.arange(lo, hi)
+        return torch.arange(lo, hi, device="cpu")
     local_lo = max(lo, int(chunk[0]) - step.local_window + 1)
     anchor_hi = min(step.anchor, local_lo)
     if lo < anchor_hi:
-        return torch.cat([torch.arange(lo, anchor_hi), torch.arange(local_lo, hi)])
-    return torch.arange(local_lo, hi)
+        return torch.cat([torch.arange(lo, anchor_hi, device="cpu"), torch.arange(local_lo, hi, device="cpu")])
+    return torch.arange(local_lo, hi, device="cpu")
 
 
 def _chunks(slots: torch.Tensor, step: ForwardStep | None) -> list[tuple[int, int]]:
@@ -76,7 +76,7 @@ def _dense_mask(slots: torch.Tensor, key_length: int, window: int | None, step: 
     plans = step.plans if step is not None else {}
     key = ("dense", window, slots.numel())
     if key not in plans:
-        plans[key] = _visible(slots, torch.arange(key_length), window, step)
+        plans[key] = _visible(slots, torch.arange(key_length, device=slots.device), window, step)
     return plans[key]
 
 
@@ -195,7 +195,7 @@ def kvshift_attention(
     if step is None:  # a plain forward pass outside the engine: queries are the last q_len tokens
         slots = torch.arange(key_length - q_len, key_length, device=query.device)
     else:
-        slots = step.slots.to(query.device)
+        slots = step.slots_on(query.device)
     window = sliding_window if sliding_window and sliding_window < key_length else None
 
     if softcap is not None:

@@ -59,7 +59,7 @@ def prefill_blend(
         # their fragments or ranking their tokens first (which made short prompts slower than
         # full recompute); the answer is full recompute's
         logits = engine.prefill_exact(cache, ids, reused, n)
-        recomputed = torch.zeros(n, dtype=torch.bool)
+        recomputed = torch.zeros(n, dtype=torch.bool, device="cpu")
         for span in new_spans:
             recomputed[span.start : span.end] = True
         stats.fragments_recomputed = len(new_spans)
@@ -88,17 +88,17 @@ def prefill_blend(
             values[..., span.start : span.end, :].zero_()
     exact_until = min(exact_until, first)  # not past a lead fragment: one from a store went through its codec
     tail = layout.tail_start
-    candidates = [torch.arange(s.start, s.end) for s in fetched]
+    candidates = [torch.arange(s.start, s.end, device="cpu") for s in fetched]
     total = sum(s.end - s.start for s in shifted_spans)
     count = min(recompute_count(engine.settings, total, ratio), sum(c.numel() for c in candidates))
-    forced = torch.cat([torch.arange(s.start, s.end) for s in inline]) if inline else torch.zeros(0, dtype=torch.long)
+    forced = torch.cat([torch.arange(s.start, s.end, device="cpu") for s in inline]) if inline else torch.zeros(0, dtype=torch.long, device="cpu")
     if count > 0:
         capture: list[torch.Tensor] = []
         # The question's earlier tokens only feed the ranking queries' context: like recomputed
         # fragment tokens they read the prefix and a window (a little KL for a shorter pass,
         # ``docs/benchmarks/fidelity.md``); the ranking queries read everything.
         selection = ForwardStep(
-            torch.arange(tail, n),
+            torch.arange(tail, n, device="cpu"),
             n,
             capture=capture,
             capture_queries=_SELECTION_QUERIES,
@@ -112,7 +112,7 @@ def prefill_blend(
     else:
         chosen = forced
     if chosen.numel():
-        queries = torch.cat([chosen, torch.arange(tail, n)])
+        queries = torch.cat([chosen, torch.arange(tail, n, device="cpu")])
         step = ForwardStep(
             queries,
             key_length=n,
@@ -124,7 +124,7 @@ def prefill_blend(
         logits = engine.forward(cache, ids[queries], step)
     else:
         logits = engine.prefill_exact(cache, ids, tail, n)
-    recomputed = torch.zeros(n, dtype=torch.bool)
+    recomputed = torch.zeros(n, dtype=torch.bool, device="cpu")
     recomputed[chosen] = True
     for span in new_spans:
         origin = origins[id(span)]
@@ -151,14 +151,14 @@ def choose_recompute(capture: list[torch.Tensor], spans: list[tuple[int, int]], 
     :param spans: the fragments' slot ranges ``[start, end)``.
     :returns: the chosen slots, ascending.
     """
-    candidates = torch.cat([torch.arange(start, end) for start, end in spans])
+    candidates = torch.cat([torch.arange(start, end, device="cpu") for start, end in spans])
     if count <= 0:
         return candidates[:0]
     if count >= candidates.numel():
         return candidates
     mass = torch.stack([layer[candidates] for layer in capture])
     mass = mass / mass.sum(dim=1, keepdim=True).clamp_min(1e-30)
-    top = mass.mean(dim=0).topk(count).indices
+    top = mass.mean(dim=0).topk(count).indices.cpu()  # the capture is on the model's device
     return candidates[top].sort().values
 
 

@@ -72,7 +72,8 @@ def pick_token(
 ) -> int:
     if temperature == 0.0:
         return int(logits.argmax())
-    scores = logits / temperature
+    # sampled on the CPU with a CPU generator: a seed draws the same tokens on every device
+    scores = logits.cpu() / temperature
     if top_k:
         kth = scores.topk(min(top_k, scores.numel())).values[-1]
         scores = scores.masked_fill(scores < kth, float("-inf"))
@@ -130,7 +131,7 @@ def generate_steps(
             if len(generated) == plan.extra_tokens:
                 break
             slot = n + len(generated) - 1
-            logits = engine.forward(cache, torch.tensor([token]), ForwardStep.span(slot, slot + 1))[-1]
+            logits = engine.forward(cache, torch.tensor([token], device="cpu"), ForwardStep.span(slot, slot + 1))[-1]
             filled = slot + 1
         if len(text) > emitted:
             yield text[emitted:]
@@ -140,7 +141,7 @@ def generate_steps(
         stats.total_s = time.perf_counter() - started
         yield GenerationResult(text=text, token_ids=generated, stats=stats, finish_reason=finish)
     finally:
-        all_ids = torch.cat([layout.token_ids, torch.tensor(generated, dtype=torch.long)])
+        all_ids = torch.cat([layout.token_ids, torch.tensor(generated, dtype=torch.long, device="cpu")])
         # decoding after an exact prompt is exact too: the next turn may reuse the reply as well
         exact_until = filled if prepared.exact_until >= n else prepared.exact_until
         engine.prefix_cache.remember(layout.namespace, cache, all_ids, filled, exact_until)
@@ -157,10 +158,10 @@ def score_continuation(
     rows = [prepared.logits[None]]
     if len(cont_ids) > 1:
         n = plan.layout.length
-        ids = torch.tensor(cont_ids[:-1])
+        ids = torch.tensor(cont_ids[:-1], device="cpu")
         rows.append(engine.forward(prepared.cache, ids, ForwardStep.span(n, n + ids.numel()), logits="all"))
     distributions = torch.log_softmax(torch.cat(rows), dim=-1)
-    picked = distributions.gather(1, torch.tensor(cont_ids)[:, None])[:, 0]
+    picked = distributions.gather(1, torch.tensor(cont_ids, device=distributions.device)[:, None])[:, 0]
     stats.total_s = time.perf_counter() - started
     return ScoreResult(
         logprobs=picked.tolist(),

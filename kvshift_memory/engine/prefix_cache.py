@@ -109,7 +109,7 @@ class PrefixCache:
                     for layer, (keys, values) in enumerate(donor.kv):
                         stretch = slice(source, source + shifted)
                         cache.write(layer, reused, keys[..., stretch, :], values[..., stretch, :])
-                    rotate(cache, reused, torch.full((shifted,), reused - source))
+                    rotate(cache, reused, torch.full((shifted,), reused - source, device="cpu"))
                 exact_until = min(exact_until, reused)
                 reused += shifted
             else:

@@ -41,7 +41,7 @@ class ForwardStep:
         selection pass too, for the question tokens before the ranking ones.
     """
 
-    slots: torch.Tensor
+    slots: torch.Tensor  # on the CPU: the engine reads them as indices; see :meth:`slots_on`
     key_length: int
     capture: list[torch.Tensor] | None = None
     capture_queries: int = 1 << 30
@@ -60,7 +60,16 @@ class ForwardStep:
     @classmethod
     def span(cls, start: int, end: int) -> ForwardStep:
         """Queries at slots ``[start, end)`` appended after everything before them."""
-        return cls(torch.arange(start, end), key_length=end)
+        return cls(torch.arange(start, end, device="cpu"), key_length=end)
+
+    def slots_on(self, device: torch.device) -> torch.Tensor:
+        """The slots on ``device`` (where the model runs), copied there once per pass."""
+        if self.slots.device == device:
+            return self.slots
+        key = ("slots", device)
+        if key not in self.plans:
+            self.plans[key] = self.slots.to(device)
+        return self.plans[key]
 
 
 current_step: ContextVar[ForwardStep | None] = ContextVar("kvshift_current_step", default=None)
@@ -71,16 +80,18 @@ class _ShiftLayer(CacheLayerMixin):
     is_croppable = False
     is_sliding = False
 
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, device: torch.device | None) -> None:
         super().__init__()
         self.capacity = capacity
         self.length = 0
+        self.device = device
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         batch, heads, _, dim = key_states.shape
-        self.keys = key_states.new_empty((batch, heads, self.capacity, dim))
-        self.values = value_states.new_empty((batch, heads, self.capacity, value_states.shape[-1]))
-        self.device = key_states.device
+        device = self.device or key_states.device
+        self.keys = key_states.new_empty((batch, heads, self.capacity, dim), device=device)
+        self.values = value_states.new_empty((batch, heads, self.capacity, value_states.shape[-1]), device=device)
+        self.device = device
         self.is_initialized = True
 
     def buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -109,8 +120,9 @@ class _ShiftLayer(CacheLayerMixin):
             keys[..., step.first_slot : end, :].copy_(key_states)
             values[..., step.first_slot : end, :].copy_(value_states)
         else:
-            keys.index_copy_(2, step.slots, key_states)
-            values.index_copy_(2, step.slots, value_states)
+            slots = step.slots_on(keys.device)
+            keys.index_copy_(2, slots, key_states)
+            values.index_copy_(2, slots, value_states)
         self.length = max(self.length, int(step.slots[-1]) + 1)
         return keys[..., : step.key_length, :], values[..., : step.key_length, :]
 
@@ -129,10 +141,12 @@ class ShiftCache(Cache):
 
     :param num_layers: the model's number of decoder layers.
     :param capacity: the most tokens it will hold (prompt + generated).
+    :param device: where its buffers live (the model's device); ``None``: the device of the first
+        K/V written (a fragment read from a store is on the CPU, so the engine always says).
     """
 
-    def __init__(self, num_layers: int, capacity: int) -> None:
-        self._shift_layers = [_ShiftLayer(capacity) for _ in range(num_layers)]
+    def __init__(self, num_layers: int, capacity: int, device: torch.device | None = None) -> None:
+        self._shift_layers = [_ShiftLayer(capacity, device) for _ in range(num_layers)]
         super().__init__(layers=list(self._shift_layers))
         self.capacity = capacity
 

@@ -69,9 +69,10 @@ def encode_fragment(fragment: Fragment, spec: CodecSpec, metadata: dict[str, str
     if len({tuple(k.shape) for k in (*fragment.keys, *fragment.values)}) != 1:
         raise InvalidInputError("every layer of a stored fragment must have the same K/V shape")
     # one tensor per kind, layers stacked: a header of a few entries instead of a few per layer
-    keys = torch.cat(fragment.keys).float()
-    values = torch.cat(fragment.values).float()
-    tensors = {"token_ids": torch.tensor(fragment.token_ids, dtype=torch.int32), **_encode(keys, values, spec)}
+    # a blob is bytes on the host, whichever device computed the fragment
+    keys = torch.cat(fragment.keys).float().cpu()
+    values = torch.cat(fragment.values).float().cpu()
+    tensors = {"token_ids": torch.tensor(fragment.token_ids, dtype=torch.int32, device="cpu"), **_encode(keys, values, spec)}
     header = {
         "format": FORMAT,
         "codec": spec.name,
@@ -222,13 +223,13 @@ def _scaled(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> list[to
     fragment, and buffers the allocator reuses for a long one (a single buffer for thousands of
     tokens would be mapped afresh from the OS on every fetch, which costs more than the work).
     """
-    layer_bytes = q[0].numel() * torch.empty((), dtype=dtype).element_size()
+    layer_bytes = q[0].numel() * dtype.itemsize
     step = max(1, (8 << 20) // max(layer_bytes, 1))
     out: list[torch.Tensor] = []
     for start in range(0, q.shape[0], step):
         chunk = q[start : start + step]
         out.extend(
-            torch.mul(chunk, scale[start : start + step].to(dtype), out=torch.empty(chunk.shape, dtype=dtype)).unbind(0)
+            torch.mul(chunk, scale[start : start + step].to(dtype), out=torch.empty(chunk.shape, dtype=dtype, device=chunk.device)).unbind(0)
         )
     return out
 

@@ -34,7 +34,7 @@ class RotaryLayer:
         self, deltas: int | torch.Tensor, dtype: torch.dtype, device: torch.device
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Cosine and sine of rotations by ``deltas`` positions (an int, or one per token: ``[n, half]``)."""
-        angles = torch.as_tensor(deltas, dtype=torch.float64)[..., None] * self.inv_freq
+        angles = torch.as_tensor(deltas, dtype=torch.float64, device="cpu")[..., None] * self.inv_freq
         return angles.cos().to(dtype=dtype, device=device), angles.sin().to(dtype=dtype, device=device)
 
 
