@@ -20,6 +20,12 @@ header: a framework's flat prompt, whose own text introduces them.
 
 Either way a memory's fragment is encoded after the same *conditioning*: the system message up to
 where its memories would start, so one fragment serves both places.
+
+Chat templates differ in where a system message goes (:func:`template_style`). One without a
+system role (Gemma 2), or one that moves it (Mistral folds it into the *last* user turn, so it
+would move every turn and no prompt would share a prefix with the last), gets the system message
+folded into the first user turn by us: memories stay at one place, turn after turn. A model with no
+template (a base model) gets a plain transcript.
 """
 
 from __future__ import annotations
@@ -28,20 +34,37 @@ import hashlib
 import secrets
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
-__all__ = ["FragmentSpan", "PromptLayout", "ScopedTokens", "TokenMemo", "build_layout", "common_prefix", "digest_ids"]
+from ..exceptions import InvalidInputError
+
+__all__ = [
+    "FragmentSpan",
+    "PromptLayout",
+    "ScopedTokens",
+    "TemplateStyle",
+    "TokenMemo",
+    "build_layout",
+    "common_prefix",
+    "digest_ids",
+    "template_style",
+]
 
 ROLES = ("system", "user", "assistant")
+
+#: ``"system"``: the template renders a system message first; ``"fold"``: the system message goes
+#: into the first user turn (no system role, or a template that would move it); ``"plain"``: no
+#: template, a plain transcript
+TemplateStyle = Literal["system", "fold", "plain"]
 
 
 def digest_ids(ids: Sequence[int]) -> str:
     """A stable digest of a token id sequence."""
-    return hashlib.blake2b(torch.as_tensor(list(ids), dtype=torch.int64).numpy().tobytes(), digest_size=16).hexdigest()
+    return hashlib.blake2b(torch.as_tensor(list(ids), dtype=torch.int64, device="cpu").numpy().tobytes(), digest_size=16).hexdigest()
 
 
 @dataclass(frozen=True)
@@ -93,7 +116,7 @@ class PromptLayout:
         """What ``span``'s fragment is encoded after: the conditioning, then its encode context unless ``lead``."""
         if lead or not span.context:
             return self.conditioning
-        return torch.cat([self.conditioning, torch.tensor(span.context, dtype=torch.long)])
+        return torch.cat([self.conditioning, torch.tensor(span.context, dtype=torch.long, device="cpu")])
 
     def context_digest(self, span: FragmentSpan, lead: bool = False) -> str:
         """The digest of :meth:`encoded_after`, which keys the fragments encoded after it."""
@@ -126,6 +149,8 @@ class TokenMemo:
 
     def __init__(self, tokenizer: Any, capacity_ids: int = 1 << 18) -> None:
         self.tokenizer = tokenizer
+        #: how the tokenizer's chat template places a system message
+        self.style: TemplateStyle = template_style(tokenizer)
         self.capacity_ids = capacity_ids
         self._ids: OrderedDict[tuple[str, str, bool], tuple[int, ...]] = OrderedDict()
         self._held = 0
@@ -166,16 +191,46 @@ class ScopedTokens:
     def tokenizer(self) -> Any:
         return self.memo.tokenizer
 
+    @property
+    def style(self) -> TemplateStyle:
+        return self.memo.style
+
     def encode(self, text: str, *, split_special: bool = True) -> tuple[int, ...]:
         return self.memo.encode(text, split_special=split_special, namespace=self.namespace)
 
 
-def _render(tokenizer, messages: list[dict[str, str]]) -> str:
-    if getattr(tokenizer, "chat_template", None):
+def template_style(tokenizer: Any) -> TemplateStyle:
+    """How ``tokenizer``'s chat template places a system message, found by rendering a probe
+    conversation (system, user, assistant, user) with marked contents."""
+    if not getattr(tokenizer, "chat_template", None):
+        return "plain"
+    marks = {role: f"\x00probe-{role}\x00" for role in ("system", "user", "assistant", "again")}
+    turns = [("user", marks["user"]), ("assistant", marks["assistant"]), ("user", marks["again"])]
+    conversation = [{"role": role, "content": content} for role, content in turns]
+    try:
+        rendered = tokenizer.apply_chat_template(
+            [{"role": "system", "content": marks["system"]}, *conversation], tokenize=False, add_generation_prompt=True
+        )
+    except Exception:  # a template that refuses the system role raises whatever its author chose
+        return "fold"
+    at = rendered.find(marks["system"])
+    return "system" if 0 <= at < rendered.find(marks["user"]) else "fold"
+
+
+def _render(tokenizer: Any, messages: list[dict[str, str]], spaced: Callable[[str], bool]) -> str:
+    """The prompt text; a template's own refusal (roles that do not alternate…) is the caller's error.
+
+    Without a template, a plain transcript ending in ``"Assistant:"``; a content that does not
+    start with a space (``spaced``) gets one, so that a reply the model wrote after the colon
+    (``" Paris"``) reads back as the same tokens in the next turn's prompt.
+    """
+    if not getattr(tokenizer, "chat_template", None):
+        lines = [f"{m['role'].capitalize()}:{'' if spaced(m['content']) else ' '}{m['content']}\n" for m in messages]
+        return "".join(lines) + "Assistant:"
+    try:
         return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    # A model without a chat template (a base model) gets a plain transcript.
-    lines = [f"{m['role'].capitalize()}: {m['content']}\n" for m in messages]
-    return "".join(lines) + "Assistant:"
+    except Exception as exc:  # jinja2's TemplateError, or what the template's raise_exception raises
+        raise InvalidInputError(f"the model's chat template refused these messages: {exc}") from exc
 
 
 def _usable_reply_ids(tokenizer: Any, ids: Sequence[int], content: str) -> bool:
@@ -215,7 +270,10 @@ def build_layout(
     system = system_key
     if memories:
         system += sentinel(header) + "".join(sentinel(f"{text}\n", True) for text in memories)
-    rendered_messages = [{"role": "system", "content": system}]
+    fold = tokens.style == "fold"
+    rendered_messages = [] if fold else [{"role": "system", "content": system}]
+    if fold and (not rest or rest[0]["role"] != "user"):
+        rest = [{"role": "user", "content": ""}, *rest]  # the system message needs a user turn to open
     memory_texts = list(memories)
     for message in rest:
         content = message["content"]
@@ -236,8 +294,14 @@ def build_layout(
             if reply_ids is not None and not _usable_reply_ids(tokens.tokenizer, reply_ids, content):
                 reply_ids = None  # tokenise the text instead
             content = sentinel(content, ids=reply_ids)
+        if fold and not rendered_messages:
+            content = system + sentinel("\n\n") + content
         rendered_messages.append({"role": message["role"], "content": content})
-    text = _render(tokens.tokenizer, rendered_messages)
+    def spaced(content: str) -> bool:
+        first = contents.get(content[: content.index("\x00", 1) + 1] if content else "")
+        return first is not None and first[0][:1].isspace()
+
+    text = _render(tokens.tokenizer, rendered_messages, spaced)
 
     ids: list[int] = []
     spans: list[FragmentSpan] = []
@@ -258,4 +322,8 @@ def build_layout(
         if key == system_key:
             system_end = len(ids)
     conditioning = ids[:system_end] + list(tokens.encode(header))
-    return PromptLayout(torch.tensor(ids, dtype=torch.long), tuple(spans), torch.tensor(conditioning, dtype=torch.long))
+    return PromptLayout(
+        torch.tensor(ids, dtype=torch.long, device="cpu"),
+        tuple(spans),
+        torch.tensor(conditioning, dtype=torch.long, device="cpu"),
+    )
