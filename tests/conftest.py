@@ -62,6 +62,57 @@ def tiny_model(config: transformers.PretrainedConfig, seed: int = 0) -> torch.nn
     return model.eval()
 
 
+def num_layers(model) -> int:
+    """Decoder layers of ``model`` (of its text decoder, for an image-text model)."""
+    return model.config.get_text_config(decoder=True).num_hidden_layers
+
+
+_SHIFT_PREFIX, _SHIFT_FRAGMENT, _SHIFT_QUERY = 6, 24, 3
+
+
+def _encode_at(model, ids: torch.Tensor, offset: int):
+    """Run ``ids`` at positions ``offset..`` into a fresh cache (slot i holds token i)."""
+    from kvshift_memory.kv.cache import ForwardStep, ShiftCache
+
+    cache = ShiftCache(num_layers(model), ids.numel() + _SHIFT_QUERY, device=model.device)
+    step = ForwardStep.span(0, ids.numel())
+    with torch.inference_mode(), cache.stepping(step):
+        model(input_ids=ids[None], position_ids=(step.slots + offset)[None], cache=cache, use_cache=True)
+    return cache
+
+
+def _next_logits(model, cache, query: torch.Tensor, start: int, offset: int) -> torch.Tensor:
+    from kvshift_memory.kv.cache import ForwardStep
+
+    step = ForwardStep.span(start, start + query.numel())
+    with torch.inference_mode(), cache.stepping(step):
+        out = model(input_ids=query[None], position_ids=(step.slots + offset)[None], cache=cache, use_cache=True)
+    return out.logits[0, -1]
+
+
+def shift_errors(model, scheme, delta: int) -> tuple[list[float], float]:
+    """Encode random tokens at 0 and at ``delta``; shift the first cache by ``delta``. The model
+    must run kvshift's attention (``set_attn_implementation(ATTENTION_NAME)``, as the engine does).
+
+    :returns: (each layer's relative key error, max next-token logit error).
+    """
+    from kvshift_memory.kv.rope import shift_keys
+
+    generator = torch.Generator().manual_seed(delta)
+    ids = torch.randint(3, VOCAB, (_SHIFT_PREFIX + _SHIFT_FRAGMENT,), generator=generator)
+    query = torch.randint(3, VOCAB, (_SHIFT_QUERY,), generator=generator)
+    at_origin, at_target = _encode_at(model, ids, 0), _encode_at(model, ids, delta)
+    n, errors = ids.numel(), []
+    with torch.inference_mode():
+        for layer in range(num_layers(model)):
+            keys = at_origin.buffer(layer)[0][..., :n, :]
+            expected = at_target.buffer(layer)[0][..., :n, :]
+            keys.copy_(shift_keys(keys, scheme.layers[layer], delta))
+            errors.append(float((keys - expected).abs().max() / expected.abs().max()))
+    logits = _next_logits(model, at_origin, query, n, delta) - _next_logits(model, at_target, query, n, delta)
+    return errors, float(logits.abs().max())
+
+
 def first_logits(engine, messages, memories=None, reuse="none", ratio=None) -> torch.Tensor:
     """The next-token logits after the prompt, under ``reuse``."""
     return engine.prefill(engine.plan(messages, memories, reuse=reuse, recompute_ratio=ratio)).logits
@@ -96,6 +147,14 @@ def bundled_engine():
     from kvshift_memory import KVShiftEngine
 
     return KVShiftEngine.from_pretrained()
+
+
+@pytest.fixture(scope="session")
+def gemma_engine():
+    """The second shipped model (Gemma 3 270M base: sliding-window layers, two RoPE bases), fp32."""
+    from kvshift_memory import KVShiftEngine
+
+    return KVShiftEngine.from_pretrained("gemma-3-270m")
 
 
 @pytest.fixture(scope="session")

@@ -325,14 +325,25 @@ def test_absolute_positions_fall_back_to_exact_prefix_reuse(tokenizer):
     assert blended.token_ids == full.token_ids
 
 
-def test_sliding_window_falls_back_past_the_window(tokenizer):
+def test_sliding_window_layers_reuse_past_the_window(tokenizer):
+    """A window of 96 tokens, memories spanning several windows: reuse goes on (no fallback), a
+    blend that recomputes every fragment token matches full recompute under the same masks, and a
+    lead fragment read from cache more than a window before the question is exact."""
     config = TINY_CONFIGS["mistral"]()
     config.sliding_window = 96
     engine = KVShiftEngine(tiny_model(config), tokenizer)
-    short = engine.generate("q", MEMORIES[:1], reuse="blend", max_new_tokens=1)
-    assert short.stats.reuse == "blend"
-    long = engine.generate("q", MEMORIES * 6, reuse="blend", max_new_tokens=1)
-    assert long.stats.reuse == "prefix" and "sliding attention window" in long.stats.fallback_reason
+    memories = MEMORIES * 6
+    question = "Which of these came first, and why? " * 12  # the question alone is longer than the window
+    full = engine.score(question, memories, " The budget", reuse="none", return_distributions=True)
+    assert full.stats.prompt_tokens > 3 * config.sliding_window
+    recomputed = engine.score(question, memories, " The budget", recompute_ratio=1.0, return_distributions=True)
+    assert recomputed.stats.reuse == "blend" and recomputed.stats.fallback_reason is None
+    assert (recomputed.distributions - full.distributions).abs().max() <= 1e-4
+    engine.warm(memories[:1])
+    lead = engine.score(question, memories[:1], " The budget", return_distributions=True)
+    alone = engine.score(question, memories[:1], " The budget", reuse="none", return_distributions=True)
+    assert lead.stats.reuse == "blend" and lead.stats.reused_tokens > 0
+    assert (lead.distributions - alone.distributions).abs().max() <= 1e-4
 
 
 # ---------------------------------------------------------------- memories in messages, replies as ids, cuts

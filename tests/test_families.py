@@ -11,34 +11,17 @@ import pytest
 import torch
 import transformers
 
-from conftest import TINY_CONFIGS, TINY_SHAPE, VOCAB, tiny_model
+from conftest import TINY_CONFIGS, TINY_SHAPE, VOCAB, num_layers, shift_errors, tiny_model
 from kvshift_memory.engine.attention import ATTENTION_NAME
 from kvshift_memory.engine.families import SHIFTABLE_FAMILIES, position_scheme
 from kvshift_memory.kv.cache import ForwardStep, ShiftCache
 from kvshift_memory.kv.rope import shift_keys
 
 DELTAS = (1, 37, 500, 2000, 4000)
-PREFIX, FRAGMENT, QUERY = 6, 24, 3
 
 
 def test_every_shiftable_family_has_a_tiny_config():
     assert set(TINY_CONFIGS) == set(SHIFTABLE_FAMILIES)
-
-
-def _encode(model, ids: torch.Tensor, offset: int) -> ShiftCache:
-    """Run ``ids`` at positions ``offset..`` into a fresh cache (slot i holds token i)."""
-    cache = ShiftCache(model.config.num_hidden_layers, ids.numel() + QUERY)
-    step = ForwardStep.span(0, ids.numel())
-    with torch.inference_mode(), cache.stepping(step):
-        model(input_ids=ids[None], position_ids=(step.slots + offset)[None], cache=cache, use_cache=True)
-    return cache
-
-
-def _next_logits(model, cache: ShiftCache, query: torch.Tensor, start: int, offset: int) -> torch.Tensor:
-    step = ForwardStep.span(start, start + query.numel())
-    with torch.inference_mode(), cache.stepping(step):
-        out = model(input_ids=query[None], position_ids=(step.slots + offset)[None], cache=cache, use_cache=True)
-    return out.logits[0, -1]
 
 
 @pytest.fixture(scope="module", params=sorted(TINY_CONFIGS))
@@ -54,7 +37,7 @@ def test_kvshift_attention_matches_transformers(family_model):
     ids = torch.randint(3, VOCAB, (40,), generator=torch.Generator().manual_seed(1))
     with torch.inference_mode():
         expected = reference(input_ids=ids[None]).logits[0]
-    cache = ShiftCache(model.config.num_hidden_layers, ids.numel())
+    cache = ShiftCache(num_layers(model), ids.numel())
     step = ForwardStep.span(0, ids.numel())
     with torch.inference_mode(), cache.stepping(step):
         got = model(
@@ -63,32 +46,13 @@ def test_kvshift_attention_matches_transformers(family_model):
     assert (got - expected).abs().max() <= 1e-4, name
 
 
-def shift_errors(model, scheme, delta: int) -> tuple[float, float]:
-    """Encode random tokens at 0 and at ``delta``; shift the first cache by ``delta``.
-
-    :returns: (max relative key error over layers, max next-token logit error).
-    """
-    generator = torch.Generator().manual_seed(delta)
-    ids = torch.randint(3, VOCAB, (PREFIX + FRAGMENT,), generator=generator)
-    query = torch.randint(3, VOCAB, (QUERY,), generator=generator)
-    at_origin, at_target = _encode(model, ids, 0), _encode(model, ids, delta)
-    n, worst = ids.numel(), 0.0
-    with torch.inference_mode():
-        for layer in range(model.config.num_hidden_layers):
-            keys = at_origin.buffer(layer)[0][..., :n, :]
-            expected = at_target.buffer(layer)[0][..., :n, :]
-            keys.copy_(shift_keys(keys, scheme.layers[layer], delta))
-            worst = max(worst, float((keys - expected).abs().max() / expected.abs().max()))
-    logits = _next_logits(model, at_origin, query, n, delta) - _next_logits(model, at_target, query, n, delta)
-    return worst, float(logits.abs().max())
-
-
 @pytest.mark.parametrize("delta", DELTAS)
 def test_shifted_keys_and_logits_match_encoding_at_the_target(family_model, delta):
     name, model, _ = family_model
     scheme = position_scheme(model)
     assert scheme.shiftable, scheme.reason
-    key_error, logit_error = shift_errors(model, scheme, delta)
+    key_errors, logit_error = shift_errors(model, scheme, delta)
+    key_error = max(key_errors)
     assert key_error <= 1e-4, f"{name}: relative key error {key_error:.2e} at delta {delta}"
     assert logit_error <= 1e-3, f"{name}: logit error {logit_error:.2e} at delta {delta}"
 
@@ -137,23 +101,99 @@ FALLBACK_CONFIGS = {
 @pytest.mark.parametrize("label", sorted(FALLBACK_CONFIGS))
 def test_unshiftable_positions_are_detected(label):
     scheme = position_scheme(tiny_model(FALLBACK_CONFIGS[label]()))
-    assert not scheme.shiftable
-    assert scheme.blocks_shift(10)
+    assert not scheme.shiftable and scheme.reason
     assert scheme.layers == ()
 
 
-def test_sliding_window_blocks_shift_only_past_the_window():
-    config = transformers.MistralConfig(**TINY_SHAPE, sliding_window=64)
-    scheme = position_scheme(tiny_model(config))
-    assert scheme.shiftable and scheme.min_sliding_window == 64
-    assert scheme.blocks_shift(64) is None
-    assert "sliding attention window" in scheme.blocks_shift(65)
+def test_sliding_window_layers_mask_as_transformers_does():
+    """Gemma 3's layout (five sliding layers to one full, two RoPE bases) with a window of 16:
+    over 64 tokens the installed attention gives the stock model's logits."""
+    config = lambda: transformers.Gemma3TextConfig(  # noqa: E731
+        **{**TINY_SHAPE, "num_hidden_layers": 6},
+        head_dim=16,
+        sliding_window=16,
+        layer_types=["sliding_attention"] * 5 + ["full_attention"],
+    )
+    model, reference = tiny_model(config()), tiny_model(config())
+    model.set_attn_implementation(ATTENTION_NAME)
+    ids = torch.randint(3, VOCAB, (64,), generator=torch.Generator().manual_seed(2))
+    with torch.inference_mode():
+        expected = reference(input_ids=ids[None]).logits[0]
+    cache = ShiftCache(6, ids.numel())
+    step = ForwardStep.span(0, ids.numel())
+    with torch.inference_mode(), cache.stepping(step):
+        got = model(input_ids=ids[None], position_ids=step.slots[None], cache=cache, use_cache=True, logits_to_keep=0)
+    assert (got.logits[0] - expected).abs().max() <= 1e-4
+    scheme = position_scheme(model)
+    assert scheme.layers[0] is scheme.layers[4] and scheme.layers[0] is not scheme.layers[5]  # one table per RoPE base
+
+
+# ---------------------------------------------------------------- text decoders inside multimodal models
+
+def _vision_language(kind: str) -> torch.nn.Module:
+    text = dict(TINY_SHAPE, head_dim=16)
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28)
+    torch.manual_seed(0)
+    if kind == "gemma3":
+        config = transformers.Gemma3Config(
+            text_config={**text, "sliding_window": 8192, "layer_types": ["sliding_attention", "full_attention"]},
+            vision_config={**vision, "patch_size": 14},
+            mm_tokens_per_image=4,
+        )
+        model = transformers.Gemma3ForConditionalGeneration(config)
+    else:
+        config = transformers.Mistral3Config(
+            text_config={**text, "model_type": "mistral"}, vision_config={**vision, "patch_size": 14, "head_dim": 16}
+        )
+        model = transformers.Mistral3ForConditionalGeneration(config)
+    return model.eval()
+
+
+@pytest.mark.parametrize("kind", ["gemma3", "mistral3"])
+def test_conditional_generation_models_shift_through_their_text_decoder(kind, tokenizer):
+    from conftest import MEMORIES
+    from kvshift_memory import KVShiftEngine
+
+    model = _vision_language(kind)
+    engine = KVShiftEngine(model, tokenizer)
+    assert engine.position_scheme.shiftable, engine.position_scheme.reason
+    key_errors, logit_error = shift_errors(model, engine.position_scheme, 500)
+    key_error = max(key_errors)
+    assert key_error <= 1e-4 and logit_error <= 1e-3
+    blended = engine.generate("What is the budget?", MEMORIES, max_new_tokens=4)
+    assert blended.stats.reuse == "blend" and blended.stats.fallback_reason is None
+    engine.clear_cache()
+    first = engine.generate("What is the budget?", MEMORIES, reuse="prefix", max_new_tokens=4)
+    again = engine.generate("What is the budget?", MEMORIES, reuse="prefix", max_new_tokens=4)
+    full = engine.generate("What is the budget?", MEMORIES, reuse="none", max_new_tokens=4)
+    assert again.stats.reused_tokens > 0 and first.token_ids == again.token_ids == full.token_ids
+
+
+def test_a_decoder_without_a_rotary_module_falls_back_with_a_reason(tokenizer):
+    from conftest import MEMORIES
+    from kvshift_memory import KVShiftEngine
+
+    class TablesElsewhere(torch.nn.Module):  # a rotary module whose frequencies are not where transformers puts them
+        def __init__(self, inner: torch.nn.Module):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, *args, **kwargs):
+            return self.inner(*args, **kwargs)
+
+    model = _vision_language("gemma3")
+    decoder = model.model.language_model
+    decoder.rotary_emb = TablesElsewhere(decoder.rotary_emb)
+    engine = KVShiftEngine(model, tokenizer)
+    result = engine.generate("What is the budget?", MEMORIES, reuse="blend", max_new_tokens=1)
+    assert result.stats.reuse == "prefix" and "no rotary embedding module" in result.stats.fallback_reason
 
 
 @pytest.mark.model
 @pytest.mark.parametrize("delta", (*DELTAS, 8000))
 def test_shift_is_exact_on_the_bundled_model(bundled_engine, delta):
-    key_error, logit_error = shift_errors(bundled_engine.model, bundled_engine.position_scheme, delta)
+    key_errors, logit_error = shift_errors(bundled_engine.model, bundled_engine.position_scheme, delta)
+    key_error = max(key_errors)
     print(f"bundled model, delta {delta}: relative key error {key_error:.1e}, logit error {logit_error:.1e}")
     assert key_error <= 1e-4
     assert logit_error <= 1e-3

@@ -8,7 +8,7 @@ engine reports the reason in the stats instead of shifting approximately.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -34,28 +34,17 @@ STATIC_ROPE_TYPES: frozenset[str] = frozenset({"default", "linear", "yarn", "lla
 class PositionScheme:
     """How positions are encoded in a loaded model.
 
+    Sliding-window layers need nothing of their own here: the engine's attention applies each
+    layer's window by prompt position, to placed fragments as to everything else.
+
     :param shiftable: cached keys can be moved to other positions by rotation alone.
     :param reason: why not, in words a user can act on (``None`` when shiftable).
     :param layers: the rotary frequencies of each decoder layer (empty when not shiftable).
-    :param min_sliding_window: the smallest attention window of any layer (``None``: no window);
-        past it, a fragment's keys would have been computed with context the prompt does not give.
     """
 
     shiftable: bool
     reason: str | None
     layers: tuple[RotaryLayer, ...]
-    min_sliding_window: int | None
-
-    def blocks_shift(self, total_tokens: int) -> str | None:
-        """The reason a prompt of ``total_tokens`` (with its answer) cannot use shifted fragments."""
-        if not self.shiftable:
-            return self.reason
-        if self.min_sliding_window is not None and total_tokens > self.min_sliding_window:
-            return (
-                f"the prompt ({total_tokens} tokens) passes the model's sliding attention window "
-                f"({self.min_sliding_window}); fragments are recomputed"
-            )
-        return None
 
 
 def _rope_types(config) -> set[str]:
@@ -65,32 +54,30 @@ def _rope_types(config) -> set[str]:
     return {params.get("rope_type", "default")} if params else {"default"}
 
 
-def _attention_modules(model: PreTrainedModel) -> list[torch.nn.Module]:
-    modules: list[Any] = [
-        m for m in model.modules() if type(m).__name__.endswith("Attention") and hasattr(m, "layer_idx")
-    ]
-    return sorted(modules, key=lambda m: int(m.layer_idx))
+def text_decoder(model: PreTrainedModel) -> torch.nn.Module:
+    """The text decoder of ``model``: its base model, or the language model inside a
+    ``*ForConditionalGeneration`` (Gemma 3 4B+, Mistral 3), whose vision tower the engine never runs."""
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+    return decoder if isinstance(decoder, torch.nn.Module) else model.base_model
 
 
-def _min_window(model: PreTrainedModel, config) -> int | None:
-    windows = []
-    for module in _attention_modules(model):
-        window = getattr(module, "sliding_window", getattr(config, "sliding_window", None))
-        if window:
-            windows.append(int(window))
-    return min(windows) if windows else None
-
-
-def _rotary_layers(model: PreTrainedModel, config) -> tuple[RotaryLayer, ...]:
-    rotary = getattr(model.base_model, "rotary_emb", None)
+def _rotary_layers(model: PreTrainedModel, config) -> tuple[RotaryLayer, ...] | None:
+    """Each decoder layer's rotary frequencies, or ``None`` when the decoder has no rotary module
+    where transformers puts one."""
+    rotary = getattr(text_decoder(model), "rotary_emb", None)
     if rotary is None:
-        raise LookupError("no rotary embedding module")
+        return None
     layer_types = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
     shared: dict[str, RotaryLayer] = {}  # layers of one type share one object: rotation tables are built once
     for layer_type in layer_types:
         if layer_type not in shared:
+            # one table per layer type where the model has two RoPE bases (Gemma 3), else one for all
             inv_freq = getattr(rotary, f"{layer_type}_inv_freq", None)
-            shared[layer_type] = RotaryLayer(rotary.inv_freq if inv_freq is None else inv_freq)
+            if inv_freq is None:
+                inv_freq = getattr(rotary, "inv_freq", None)
+            if not isinstance(inv_freq, torch.Tensor):
+                return None
+            shared[layer_type] = RotaryLayer(inv_freq)
     return tuple(shared[layer_type] for layer_type in layer_types)
 
 
@@ -98,14 +85,12 @@ def position_scheme(model: PreTrainedModel) -> PositionScheme:
     """Inspect ``model`` and say whether, and how, its cached keys can be shifted."""
     config = model.config.get_text_config(decoder=True)
     family = config.model_type
-    window = _min_window(model, config)
     if family not in SHIFTABLE_FAMILIES:
         return PositionScheme(
             False,
             f"{family!r} has no position scheme kvshift can shift exactly "
             "(absolute positions or an untested rotary layout); using exact prefix reuse",
             (),
-            window,
         )
     dynamic = _rope_types(config) - STATIC_ROPE_TYPES
     if dynamic:
@@ -114,6 +99,12 @@ def position_scheme(model: PreTrainedModel) -> PositionScheme:
             f"RoPE type {sorted(dynamic)} rescales with the sequence length, so keys cannot be shifted exactly; "
             "using exact prefix reuse",
             (),
-            window,
         )
-    return PositionScheme(True, None, _rotary_layers(model, config), window)
+    layers = _rotary_layers(model, config)
+    if layers is None:
+        return PositionScheme(
+            False,
+            f"no rotary embedding module found in {type(model).__name__}'s text decoder; using exact prefix reuse",
+            (),
+        )
+    return PositionScheme(True, None, layers)

@@ -129,7 +129,7 @@ class Planner:
         mode: ReuseMode = requested or ("blend" if layout.fragments else "prefix")
         fallback = None
         if mode == "blend":
-            fallback = self._position_scheme.blocks_shift(layout.length + extra_tokens)
+            fallback = self._position_scheme.reason
             if fallback is not None:
                 mode = "prefix"
         if mode == "blend":
