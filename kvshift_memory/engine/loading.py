@@ -22,7 +22,7 @@ import torch
 
 from ..exceptions import InvalidInputError, ModelLoadError, ModelNotFoundError
 from .fingerprint import model_fingerprint
-from .shipped import DEFAULT_MODEL, SHIPPED_MODELS, ShippedModel, shipped_model
+from .shipped import DEFAULT_MODEL, SHIPPED_MODELS, ShippedModel, missing_gguf_requirements, shipped_model
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -30,6 +30,7 @@ if TYPE_CHECKING:
 __all__ = [
     "LoadedModel",
     "bundled_gguf_path",
+    "converted_model_folder",
     "kvshift_home",
     "load_model",
     "resolve_device",
@@ -111,6 +112,11 @@ def _convert_gguf(shipped: ShippedModel, target: Path) -> None:
     """Dequantise the model's GGUF file into a safetensors folder at ``target``, atomically."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    missing = missing_gguf_requirements()
+    if missing:
+        raise shipped.missing_error(
+            f"converting its GGUF file needs {' and '.join(missing)} (the kvshift-memory[gguf] extra)"
+        )
     target.parent.mkdir(parents=True, exist_ok=True)
     for stale in target.parent.glob(f"{target.name}.tmp-*"):
         shutil.rmtree(stale, ignore_errors=True)
@@ -147,16 +153,26 @@ def _convert_gguf(shipped: ShippedModel, target: Path) -> None:
         raise
 
 
+def converted_model_folder(name: str) -> Path | None:
+    """The finished safetensors conversion of a shipped model, or ``None`` before its first load.
+
+    :raises ModelNotFoundError: its packages are not installed.
+    """
+    target = kvshift_home() / "models" / SHIPPED_MODELS[name].source_key()
+    return target if (target / _COMPLETE_MARK).exists() else None
+
+
 def shipped_model_folder(name: str = DEFAULT_MODEL) -> Path:
     """The safetensors folder of a shipped model, converting its GGUF file on first use.
 
     :raises ModelNotFoundError: its packages are not installed (the message gives the command).
     :raises ModelLoadError: the conversion failed.
     """
+    converted = converted_model_folder(name)
+    if converted is not None:
+        return converted
     shipped = SHIPPED_MODELS[name]
     target = kvshift_home() / "models" / shipped.source_key()
-    if (target / _COMPLETE_MARK).exists():
-        return target
     if target.exists():  # a folder without the mark was not written by a finished conversion
         shutil.rmtree(target, ignore_errors=True)
     try:

