@@ -35,7 +35,7 @@ def _real_weight_folders() -> tuple[Path, ...]:
     """Where real weights live: the converted models, the shipped models' packages, the embedder."""
     from kvshift_memory.embedding import bundled_embedding_path
     from kvshift_memory.engine.loading import kvshift_home
-    from kvshift_memory.engine.shipped import SHIPPED_MODELS
+    from kvshift_memory.shipped import SHIPPED_MODELS
 
     folders = [kvshift_home() / "models"]
     # a package not installed holds nothing that could be loaded either

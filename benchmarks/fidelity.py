@@ -61,6 +61,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchdata import build_instances, conversation_context, locomo_dir, memorybank_instances, write_report  # noqa: E402
 
 from kvshift_memory import KVShiftEngine  # noqa: E402
+from kvshift_memory.shipped import DEFAULT_MODEL  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 DATASETS = ("locomo", "memorybank-exchanges", "memorybank-facts")
@@ -146,6 +147,7 @@ def run_dataset(
     own_context=False,
     default_only=False,
     curve=False,
+    core=False,
 ):
     default = f"blend@{default_ratio:g}"
     ablations = dict(ablations, **({OWN_CONTEXT: engine} if own_context else {}))
@@ -153,6 +155,8 @@ def run_dataset(
         conditions = [f"blend@{r:g}" for r in sorted(set(ratios))]
     elif default_only:
         conditions = [default]
+    elif core:
+        conditions = ["reorder", "shift", default]
     else:
         ratios = sorted(set(ratios) | {default_ratio})
         conditions = (
@@ -436,6 +440,16 @@ def main() -> None:
         help="only full recompute and the default blend (implies --no-ablations): a larger paired sample per hour",
     )
     parser.add_argument(
+        "--core",
+        action="store_true",
+        help="only full recompute, reorder, shift only and the default blend (implies --no-ablations)",
+    )
+    parser.add_argument(
+        "--model",
+        default=None,
+        help="a shipped model's name (default: the default model, smollm2-135m-instruct), or a local folder",
+    )
+    parser.add_argument(
         "--curve",
         action="store_true",
         help="only full recompute and the blend at exactly --ratios, each with its own answers: contains-answer "
@@ -461,7 +475,7 @@ def main() -> None:
             print_paired(result["per_instance"], [int(b) for b in args.parts.split(",") if b], title)
             print_copy_drops(result["per_instance"], f"{name}, log-probability lost against full recompute (nats):")
         return
-    args.no_ablations = args.no_ablations or args.default_only or args.curve
+    args.no_ablations = args.no_ablations or args.default_only or args.curve or args.core
     dataset_names = list(dict.fromkeys(args.datasets.split(",")))
     unknown = set(dataset_names) - set(DATASETS)
     if unknown:
@@ -470,7 +484,7 @@ def main() -> None:
     ratios = [float(r) for r in args.ratios.split(",")]
 
     window = {} if args.recompute_window is None else {"recompute_window": args.recompute_window}
-    engine = KVShiftEngine.from_pretrained(**window)
+    engine = KVShiftEngine.from_pretrained(args.model, **window)
     ablations = {
         name: KVShiftEngine(engine.model, engine.tokenizer, fingerprint=engine.fingerprint, **window, **setting)
         for name, setting in (
@@ -492,7 +506,7 @@ def main() -> None:
 
     report = {
         "command": " ".join(["python", *sys.argv]),
-        "model": "SmolLM2-135M-Instruct (bundled, fp32)",
+        "model": f"{args.model or DEFAULT_MODEL} ({type(engine.model).__name__}, {engine.model.dtype})",
         "default_recompute_ratio": default_ratio,
         "recompute_window": engine.settings.recompute_window,
         "threads": args.threads,
@@ -515,6 +529,7 @@ def main() -> None:
             own_context,
             args.default_only,
             args.curve,
+            args.core,
         )
         report["datasets"][name] = {"instances": len(instances), "summary": summary, "per_instance": rows}
         print_table(f"{name} ({len(instances)} instances, seed {args.seed})", summary)

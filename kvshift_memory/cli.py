@@ -138,7 +138,7 @@ def _bench(args: argparse.Namespace) -> int:
 
 def _models_list(args: argparse.Namespace) -> int:
     from .engine.loading import converted_model_folder
-    from .engine.shipped import DEFAULT_MODEL, SHIPPED_MODELS
+    from .shipped import DEFAULT_MODEL, SHIPPED_MODELS
     from .exceptions import ModelNotFoundError
 
     rows = []
@@ -165,7 +165,7 @@ def _models_list(args: argparse.Namespace) -> int:
 def _models_install(args: argparse.Namespace) -> int:
     import subprocess
 
-    from .engine.shipped import (
+    from .shipped import (
         DEFAULT_MODEL,
         EMBEDDING_PACKAGES,
         SHIPPED_MODELS,

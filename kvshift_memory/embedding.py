@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Protocol
 
-from .engine.shipped import EMBEDDING_PACKAGES, install_command
+from .shipped import EMBEDDING_PACKAGES, install_command
 from .exceptions import ModelLoadError, ModelNotFoundError
 
 __all__ = ["Embedder", "MiniLMEmbedder", "bundled_embedding_path"]

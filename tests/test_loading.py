@@ -12,7 +12,7 @@ import pytest
 from conftest import TINY_CONFIGS, tiny_model
 from kvshift_memory import KVShiftEngine, ModelLoadError, ModelNotFoundError
 from kvshift_memory.engine import loading
-from kvshift_memory.engine.shipped import DEFAULT_MODEL, SHIPPED_MODELS, ShippedModel
+from kvshift_memory.shipped import DEFAULT_MODEL, SHIPPED_MODELS, ShippedModel
 
 
 def _hide_modules(monkeypatch, *hidden: str) -> None:
@@ -176,7 +176,7 @@ def test_an_image_text_checkpoint_loads_its_text_decoder(tmp_path, tokenizer):
 def test_conversion_requirements_are_the_published_extra():
     from importlib.metadata import requires
 
-    from kvshift_memory.engine.shipped import GGUF_REQUIREMENTS
+    from kvshift_memory.shipped import GGUF_REQUIREMENTS
 
     extra = {r.split(";")[0].strip() for r in requires("kvshift-memory") or [] if 'extra == "gguf"' in r}
     assert extra == set(GGUF_REQUIREMENTS)

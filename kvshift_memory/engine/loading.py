@@ -22,7 +22,7 @@ import torch
 
 from ..exceptions import InvalidInputError, ModelLoadError, ModelNotFoundError
 from .fingerprint import model_fingerprint
-from .shipped import DEFAULT_MODEL, SHIPPED_MODELS, ShippedModel, missing_gguf_requirements, shipped_model
+from ..shipped import DEFAULT_MODEL, SHIPPED_MODELS, ShippedModel, missing_gguf_requirements, shipped_model
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel

@@ -14,7 +14,7 @@ import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..exceptions import ModelNotFoundError
+from .exceptions import ModelNotFoundError
 
 __all__ = [
     "DEFAULT_MODEL",
