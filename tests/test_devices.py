@@ -48,7 +48,9 @@ def test_no_tensor_is_left_on_the_default_device(family, tokenizer, tmp_path):
             answers["prefix"] = engine.generate(QUESTION, MEMORIES, reuse="prefix", max_new_tokens=4)
             sampled = engine.generate(QUESTION, MEMORIES, temperature=0.8, top_p=0.9, top_k=20, seed=3)
             streamed = "".join(engine.generate(QUESTION, MEMORIES, reuse="blend", stream=True, max_new_tokens=4))
-            scored = engine.score(QUESTION, MEMORIES, " The budget is 50k euros.", reuse="blend", return_distributions=True)
+            scored = engine.score(
+                QUESTION, MEMORIES, " The budget is 50k euros.", reuse="blend", return_distributions=True
+            )
     assert stored.stats.fragments_loaded == len(records)
     assert answers["none"].text == answers["prefix"].text == expected["none"]
     assert streamed == expected["blend"]

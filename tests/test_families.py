@@ -130,6 +130,7 @@ def test_sliding_window_layers_mask_as_transformers_does():
 
 # ---------------------------------------------------------------- text decoders inside multimodal models
 
+
 def _vision_language(kind: str) -> torch.nn.Module:
     text = dict(TINY_SHAPE, head_dim=16)
     vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28)

@@ -60,7 +60,7 @@ def test_shift_is_exact_on_every_layer_type(gemma_engine, float64_angles, delta)
     config = gemma_engine.model.config.get_text_config(decoder=True)
     key_errors, logit_error = shift_errors(gemma_engine.model, gemma_engine.position_scheme, delta)
     by_type = {
-        kind: max(error for error, layer in zip(key_errors, config.layer_types) if layer == kind)
+        kind: max(error for error, layer in zip(key_errors, config.layer_types, strict=True) if layer == kind)
         for kind in ("sliding_attention", "full_attention")
     }
     print(f"gemma-3-270m, delta {delta}: relative key error by layer type {by_type}, logit error {logit_error:.1e}")

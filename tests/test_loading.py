@@ -45,7 +45,7 @@ def test_shipped_packages_are_found_without_importing_them():
 
 def _split_model(tmp_path, payload: bytes, published: bytes) -> ShippedModel:
     parts = [tmp_path / f"part{i}" for i in range(3)]
-    for part, chunk in zip(parts, (payload[:5], payload[5:9], payload[9:])):
+    for part, chunk in zip(parts, (payload[:5], payload[5:9], payload[9:]), strict=True):
         part.write_bytes(chunk)
     model = ShippedModel("split", "a split file", ("split",), (), sha256=hashlib.sha256(published).hexdigest())
     object.__setattr__(model, "gguf_parts", lambda: parts)
@@ -159,10 +159,25 @@ def test_an_image_text_checkpoint_loads_its_text_decoder(tmp_path, tokenizer):
     the engine drives its text decoder."""
     import transformers
 
-    text = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                num_attention_heads=4, num_key_value_heads=2, head_dim=16, model_type="mistral")
-    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
-                  patch_size=14, head_dim=16)
+    text = dict(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        model_type="mistral",
+    )
+    vision = dict(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        image_size=28,
+        patch_size=14,
+        head_dim=16,
+    )
     transformers.Mistral3ForConditionalGeneration(
         transformers.Mistral3Config(text_config=text, vision_config=vision)
     ).save_pretrained(tmp_path)

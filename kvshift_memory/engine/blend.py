@@ -91,7 +91,11 @@ def prefill_blend(
     candidates = [torch.arange(s.start, s.end, device="cpu") for s in fetched]
     total = sum(s.end - s.start for s in shifted_spans)
     count = min(recompute_count(engine.settings, total, ratio), sum(c.numel() for c in candidates))
-    forced = torch.cat([torch.arange(s.start, s.end, device="cpu") for s in inline]) if inline else torch.zeros(0, dtype=torch.long, device="cpu")
+    forced = (
+        torch.cat([torch.arange(s.start, s.end, device="cpu") for s in inline])
+        if inline
+        else torch.zeros(0, dtype=torch.long, device="cpu")
+    )
     if count > 0:
         capture: list[torch.Tensor] = []
         # The question's earlier tokens only feed the ranking queries' context: like recomputed

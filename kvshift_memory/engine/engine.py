@@ -8,11 +8,11 @@ This module runs the model and holds them together.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 import time
 from collections.abc import Sequence
-import dataclasses
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Literal, overload
 
@@ -86,7 +86,9 @@ class KVShiftEngine:
         self.model = model.eval()
         self.model.set_attn_implementation(ATTENTION_NAME)
         #: where the model runs (its input embeddings' device): every tensor it is given goes there
-        self.device: torch.device = model.get_input_embeddings().weight.device
+        embeddings = model.get_input_embeddings()
+        assert isinstance(embeddings.weight, torch.Tensor)
+        self.device: torch.device = embeddings.weight.device
         self.tokenizer = tokenizer
         self._tokens = TokenMemo(tokenizer)
         self.fingerprint = fingerprint or model_fingerprint(model, tokenizer)
@@ -506,7 +508,9 @@ class KVShiftEngine:
             for index in indices:
                 span = spans[index]
                 end = start + len(span.token_ids)
-                self.forward(scratch, torch.tensor(span.token_ids, device="cpu"), ForwardStep.span(start, end), logits="none")
+                self.forward(
+                    scratch, torch.tensor(span.token_ids, device="cpu"), ForwardStep.span(start, end), logits="none"
+                )
                 kv = scratch.view(start, end)
                 fragments[index] = Fragment(
                     token_ids=span.token_ids,

@@ -21,8 +21,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..exceptions import InvalidInputError, ModelLoadError, ModelNotFoundError
-from .fingerprint import model_fingerprint
 from ..shipped import DEFAULT_MODEL, SHIPPED_MODELS, ShippedModel, missing_gguf_requirements, shipped_model
+from .fingerprint import model_fingerprint
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -189,7 +189,10 @@ def _load_text_model(source: str | os.PathLike[str], dtype: torch.dtype | str, h
 
     config_kwargs = {key: hf_kwargs[key] for key in ("revision", "trust_remote_code") if key in hf_kwargs}
     config = AutoConfig.from_pretrained(source, **config_kwargs)
-    if type(config) not in AutoModelForCausalLM._model_mapping and type(config) in AutoModelForImageTextToText._model_mapping:
+    if (
+        type(config) not in AutoModelForCausalLM._model_mapping
+        and type(config) in AutoModelForImageTextToText._model_mapping
+    ):
         return AutoModelForImageTextToText.from_pretrained(source, dtype=dtype, **hf_kwargs)
     return AutoModelForCausalLM.from_pretrained(source, dtype=dtype, **hf_kwargs)
 

@@ -64,7 +64,9 @@ TemplateStyle = Literal["system", "fold", "plain"]
 
 def digest_ids(ids: Sequence[int]) -> str:
     """A stable digest of a token id sequence."""
-    return hashlib.blake2b(torch.as_tensor(list(ids), dtype=torch.int64, device="cpu").numpy().tobytes(), digest_size=16).hexdigest()
+    return hashlib.blake2b(
+        torch.as_tensor(list(ids), dtype=torch.int64, device="cpu").numpy().tobytes(), digest_size=16
+    ).hexdigest()
 
 
 @dataclass(frozen=True)
@@ -297,6 +299,7 @@ def build_layout(
         if fold and not rendered_messages:
             content = system + sentinel("\n\n") + content
         rendered_messages.append({"role": message["role"], "content": content})
+
     def spaced(content: str) -> bool:
         first = contents.get(content[: content.index("\x00", 1) + 1] if content else "")
         return first is not None and first[0][:1].isspace()

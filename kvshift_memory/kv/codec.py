@@ -72,7 +72,10 @@ def encode_fragment(fragment: Fragment, spec: CodecSpec, metadata: dict[str, str
     # a blob is bytes on the host, whichever device computed the fragment
     keys = torch.cat(fragment.keys).float().cpu()
     values = torch.cat(fragment.values).float().cpu()
-    tensors = {"token_ids": torch.tensor(fragment.token_ids, dtype=torch.int32, device="cpu"), **_encode(keys, values, spec)}
+    tensors = {
+        "token_ids": torch.tensor(fragment.token_ids, dtype=torch.int32, device="cpu"),
+        **_encode(keys, values, spec),
+    }
     header = {
         "format": FORMAT,
         "codec": spec.name,
@@ -229,7 +232,11 @@ def _scaled(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> list[to
     for start in range(0, q.shape[0], step):
         chunk = q[start : start + step]
         out.extend(
-            torch.mul(chunk, scale[start : start + step].to(dtype), out=torch.empty(chunk.shape, dtype=dtype, device=chunk.device)).unbind(0)
+            torch.mul(
+                chunk,
+                scale[start : start + step].to(dtype),
+                out=torch.empty(chunk.shape, dtype=dtype, device=chunk.device),
+            ).unbind(0)
         )
     return out
 
