@@ -62,6 +62,26 @@ def tiny_model(config: transformers.PretrainedConfig, seed: int = 0) -> torch.nn
     return model.eval()
 
 
+def vision_language(kind: str) -> torch.nn.Module:
+    """A tiny random image-text model (``"gemma3"`` or ``"mistral3"``) around a text decoder of TINY_SHAPE."""
+    text = dict(TINY_SHAPE, head_dim=16)
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28)
+    torch.manual_seed(0)
+    if kind == "gemma3":
+        config = transformers.Gemma3Config(
+            text_config={**text, "sliding_window": 8192, "layer_types": ["sliding_attention", "full_attention"]},
+            vision_config={**vision, "patch_size": 14},
+            mm_tokens_per_image=4,
+        )
+        model = transformers.Gemma3ForConditionalGeneration(config)
+    else:
+        config = transformers.Mistral3Config(
+            text_config={**text, "model_type": "mistral"}, vision_config={**vision, "patch_size": 14, "head_dim": 16}
+        )
+        model = transformers.Mistral3ForConditionalGeneration(config)
+    return model.eval()
+
+
 def num_layers(model) -> int:
     """Decoder layers of ``model`` (of its text decoder, for an image-text model)."""
     return model.config.get_text_config(decoder=True).num_hidden_layers

@@ -11,7 +11,7 @@ import pytest
 import torch
 import transformers
 
-from conftest import TINY_CONFIGS, TINY_SHAPE, VOCAB, num_layers, shift_errors, tiny_model
+from conftest import TINY_CONFIGS, TINY_SHAPE, VOCAB, num_layers, shift_errors, tiny_model, vision_language
 from kvshift_memory.engine.attention import ATTENTION_NAME
 from kvshift_memory.engine.families import SHIFTABLE_FAMILIES, position_scheme
 from kvshift_memory.kv.cache import ForwardStep, ShiftCache
@@ -131,31 +131,12 @@ def test_sliding_window_layers_mask_as_transformers_does():
 # ---------------------------------------------------------------- text decoders inside multimodal models
 
 
-def _vision_language(kind: str) -> torch.nn.Module:
-    text = dict(TINY_SHAPE, head_dim=16)
-    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28)
-    torch.manual_seed(0)
-    if kind == "gemma3":
-        config = transformers.Gemma3Config(
-            text_config={**text, "sliding_window": 8192, "layer_types": ["sliding_attention", "full_attention"]},
-            vision_config={**vision, "patch_size": 14},
-            mm_tokens_per_image=4,
-        )
-        model = transformers.Gemma3ForConditionalGeneration(config)
-    else:
-        config = transformers.Mistral3Config(
-            text_config={**text, "model_type": "mistral"}, vision_config={**vision, "patch_size": 14, "head_dim": 16}
-        )
-        model = transformers.Mistral3ForConditionalGeneration(config)
-    return model.eval()
-
-
 @pytest.mark.parametrize("kind", ["gemma3", "mistral3"])
 def test_conditional_generation_models_shift_through_their_text_decoder(kind, tokenizer):
     from conftest import MEMORIES
     from kvshift_memory import KVShiftEngine
 
-    model = _vision_language(kind)
+    model = vision_language(kind)
     engine = KVShiftEngine(model, tokenizer)
     assert engine.position_scheme.shiftable, engine.position_scheme.reason
     key_errors, logit_error = shift_errors(model, engine.position_scheme, 500)
@@ -182,7 +163,7 @@ def test_a_decoder_without_a_rotary_module_falls_back_with_a_reason(tokenizer):
         def forward(self, *args, **kwargs):
             return self.inner(*args, **kwargs)
 
-    model = _vision_language("gemma3")
+    model = vision_language("gemma3")
     decoder = model.model.language_model
     decoder.rotary_emb = TablesElsewhere(decoder.rotary_emb)
     engine = KVShiftEngine(model, tokenizer)

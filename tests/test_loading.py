@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from conftest import TINY_CONFIGS, tiny_model
+from conftest import TINY_CONFIGS, tiny_model, vision_language
 from kvshift_memory import KVShiftEngine, ModelLoadError, ModelNotFoundError
 from kvshift_memory.engine import loading
 from kvshift_memory.shipped import DEFAULT_MODEL, SHIPPED_MODELS, ShippedModel
@@ -157,30 +157,7 @@ def test_conversion_failure_is_a_load_error(fake_gguf, monkeypatch):
 def test_an_image_text_checkpoint_loads_its_text_decoder(tmp_path, tokenizer):
     """Mistral 3 has no causal-LM class in transformers: the loader takes the image-text one and
     the engine drives its text decoder."""
-    import transformers
-
-    text = dict(
-        vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        model_type="mistral",
-    )
-    vision = dict(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        image_size=28,
-        patch_size=14,
-        head_dim=16,
-    )
-    transformers.Mistral3ForConditionalGeneration(
-        transformers.Mistral3Config(text_config=text, vision_config=vision)
-    ).save_pretrained(tmp_path)
+    vision_language("mistral3").save_pretrained(tmp_path)
     tokenizer.save_pretrained(tmp_path)
     engine = KVShiftEngine.from_pretrained(tmp_path)
     assert type(engine.model).__name__ == "Mistral3ForConditionalGeneration"
