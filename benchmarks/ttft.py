@@ -15,6 +15,7 @@ medians over ``--repeats`` after one warm-up, with ``torch.set_num_threads(2)``.
 
     python benchmarks/ttft.py            # ~4 min on 2 cores
     python benchmarks/ttft.py --sizes 2048 --no-pack-weights      # an A/B of one engine setting
+    python benchmarks/ttft.py --device cuda --model gemma-3-270m --sizes 2048,4096,8192
 
 The decoding speed after each size's prompt (32 tokens, greedy) is reported too.
 
@@ -35,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchdata import build_instances, write_report  # noqa: E402
 
 from kvshift_memory import KVShiftEngine  # noqa: E402
+from kvshift_memory.shipped import DEFAULT_MODEL  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 QUESTION = (
@@ -83,13 +85,25 @@ def main() -> None:
     parser.add_argument(
         "--no-keep-freed-memory", action="store_true", help="EngineSettings.keep_freed_memory=False (an A/B)"
     )
+    parser.add_argument(
+        "--model", default=None, help="a shipped model's name (default: smollm2-135m-instruct) or a folder"
+    )
+    parser.add_argument("--device", default=None, help="cpu (default), cuda, cuda:1, mps")
+    parser.add_argument(
+        "--dtype", default="auto", help="auto (the checkpoint's; fp32 for the shipped models), bfloat16…"
+    )
     parser.add_argument("--output", type=Path, default=RESULTS / "ttft.json")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
     window = {} if args.recompute_window is None else {"recompute_window": args.recompute_window}
     engine = KVShiftEngine.from_pretrained(
-        pack_weights=not args.no_pack_weights, keep_freed_memory=not args.no_keep_freed_memory, **window
+        args.model,
+        device=args.device,
+        dtype=args.dtype,
+        pack_weights=not args.no_pack_weights,
+        keep_freed_memory=not args.no_keep_freed_memory,
+        **window,
     )
     ratio = engine.settings.recompute_ratio if args.recompute_ratio is None else args.recompute_ratio
     pool = [m for instance in build_instances(60, engine.count_tokens, seed=11) for m in instance.memories]
@@ -97,7 +111,8 @@ def main() -> None:
     conditions = ("none", "prefix", "shift", "blend")
     report = {
         "command": " ".join(["python", *sys.argv]),
-        "model": "SmolLM2-135M-Instruct (bundled, fp32)",
+        "model": f"{args.model or DEFAULT_MODEL} ({type(engine.model).__name__}, {engine.model.dtype})",
+        "device": str(engine.device),
         "threads": args.threads,
         "repeats": args.repeats,
         "recompute_ratio": ratio,

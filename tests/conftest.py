@@ -96,8 +96,9 @@ def _encode_at(model, ids: torch.Tensor, offset: int):
 
     cache = ShiftCache(num_layers(model), ids.numel() + _SHIFT_QUERY, device=model.device)
     step = ForwardStep.span(0, ids.numel())
+    positions = (step.slots + offset).to(model.device)
     with torch.inference_mode(), cache.stepping(step):
-        model(input_ids=ids[None], position_ids=(step.slots + offset)[None], cache=cache, use_cache=True)
+        model(input_ids=ids[None].to(model.device), position_ids=positions[None], cache=cache, use_cache=True)
     return cache
 
 
@@ -105,9 +106,10 @@ def _next_logits(model, cache, query: torch.Tensor, start: int, offset: int) -> 
     from kvshift_memory.kv.cache import ForwardStep
 
     step = ForwardStep.span(start, start + query.numel())
+    positions = (step.slots + offset).to(model.device)
     with torch.inference_mode(), cache.stepping(step):
-        out = model(input_ids=query[None], position_ids=(step.slots + offset)[None], cache=cache, use_cache=True)
-    return out.logits[0, -1]
+        out = model(input_ids=query[None].to(model.device), position_ids=positions[None], cache=cache, use_cache=True)
+    return out.logits[0, -1].cpu()
 
 
 def shift_errors(model, scheme, delta: int) -> tuple[list[float], float]:
@@ -163,18 +165,19 @@ def tiny_engine(tokenizer):
 
 @pytest.fixture(scope="session")
 def bundled_engine():
-    """The real default model (SmolLM2-135M-Instruct), fp32."""
+    """The real default model (SmolLM2-135M-Instruct), fp32, on ``$KVSHIFT_TEST_DEVICE`` (default: the CPU)."""
     from kvshift_memory import KVShiftEngine
 
-    return KVShiftEngine.from_pretrained()
+    return KVShiftEngine.from_pretrained(device=os.environ.get("KVSHIFT_TEST_DEVICE"))
 
 
 @pytest.fixture(scope="session")
 def gemma_engine():
-    """The second shipped model (Gemma 3 270M base: sliding-window layers, two RoPE bases), fp32."""
+    """The second shipped model (Gemma 3 270M base: sliding-window layers, two RoPE bases), fp32,
+    on ``$KVSHIFT_TEST_DEVICE`` (default: the CPU)."""
     from kvshift_memory import KVShiftEngine
 
-    return KVShiftEngine.from_pretrained("gemma-3-270m")
+    return KVShiftEngine.from_pretrained("gemma-3-270m", device=os.environ.get("KVSHIFT_TEST_DEVICE"))
 
 
 @pytest.fixture(scope="session")
