@@ -158,8 +158,12 @@ def converted_model_folder(name: str) -> Path | None:
 
     :raises ModelNotFoundError: its packages are not installed.
     """
-    target = kvshift_home() / "models" / SHIPPED_MODELS[name].source_key()
+    target = _conversion_target(SHIPPED_MODELS[name])
     return target if (target / _COMPLETE_MARK).exists() else None
+
+
+def _conversion_target(shipped: ShippedModel) -> Path:
+    return kvshift_home() / "models" / shipped.source_key()
 
 
 def shipped_model_folder(name: str = DEFAULT_MODEL) -> Path:
@@ -168,11 +172,10 @@ def shipped_model_folder(name: str = DEFAULT_MODEL) -> Path:
     :raises ModelNotFoundError: its packages are not installed (the message gives the command).
     :raises ModelLoadError: the conversion failed.
     """
-    converted = converted_model_folder(name)
-    if converted is not None:
-        return converted
     shipped = SHIPPED_MODELS[name]
-    target = kvshift_home() / "models" / shipped.source_key()
+    target = _conversion_target(shipped)
+    if (target / _COMPLETE_MARK).exists():
+        return target
     if target.exists():  # a folder without the mark was not written by a finished conversion
         shutil.rmtree(target, ignore_errors=True)
     try:
