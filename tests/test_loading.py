@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import json
 import sys
 import time
 
@@ -67,11 +68,20 @@ def test_unknown_model_path_is_a_clear_error(tmp_path):
 
 
 @pytest.mark.model
-def test_cached_load_is_fast(bundled_engine):
-    started = time.perf_counter()
-    engine = KVShiftEngine.from_pretrained()
-    assert time.perf_counter() - started < 2.0
-    assert engine.fingerprint == bundled_engine.fingerprint
+def test_cached_load_is_fast(bundled_engine, monkeypatch):
+    def converting(*args):
+        raise AssertionError("a converted model was converted again")
+
+    monkeypatch.setattr(loading, "_convert_gguf", converting)
+    times = []
+    for _ in range(3):  # the median: one load can meet a busy machine (page faults of the packed weights)
+        started = time.perf_counter()
+        engine = KVShiftEngine.from_pretrained()
+        times.append(time.perf_counter() - started)
+        assert engine.fingerprint == bundled_engine.fingerprint
+    assert sorted(times)[1] < 2.0, times
+    config = json.loads((loading.converted_model_folder(DEFAULT_MODEL) / "tokenizer_config.json").read_text())
+    assert "added_tokens_decoder" in config  # or transformers parses tokenizer.json in Python on each load
 
 
 def test_a_local_folder_loads_like_a_hub_id(tmp_path, tokenizer):
@@ -118,6 +128,16 @@ def test_conversion_is_written_once_and_marked_complete(fake_gguf):
     assert [p.name for p in folder.parent.iterdir()] == [folder.name]
 
 
+def test_a_conversion_of_an_older_format_is_replaced(fake_gguf):
+    models = loading.kvshift_home() / "models"
+    older = models / SHIPPED_MODELS[DEFAULT_MODEL].source_key()
+    older.mkdir(parents=True)
+    (older / "kvshift-conversion.json").write_text("{}")
+    folder = loading.shipped_model_folder()
+    assert folder != older and not older.exists()
+    assert json.loads((folder / "tokenizer_config.json").read_text())["added_tokens_decoder"]
+
+
 def test_a_conversion_killed_half_way_is_never_loaded(fake_gguf, monkeypatch):
     def killed(self, *args, **kwargs):
         raise _Interrupted()
@@ -133,7 +153,7 @@ def test_a_conversion_killed_half_way_is_never_loaded(fake_gguf, monkeypatch):
 
 def test_leftovers_of_a_sigkilled_conversion_are_ignored_and_cleaned(fake_gguf):
     models = loading.kvshift_home() / "models"
-    target = models / SHIPPED_MODELS[DEFAULT_MODEL].source_key()
+    target = loading._conversion_target(SHIPPED_MODELS[DEFAULT_MODEL])
     (models / f"{target.name}.tmp-dead").mkdir(parents=True)
     (models / f"{target.name}.tmp-dead" / "model.safetensors").write_bytes(b"torn")
     target.mkdir()

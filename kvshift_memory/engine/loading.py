@@ -39,6 +39,9 @@ __all__ = [
 ]
 
 _COMPLETE_MARK = "kvshift-conversion.json"
+# what a conversion folder holds changed (2: the added tokens in tokenizer_config.json): a new
+# version is converted again once, and the previous version's folder removed
+_CONVERSION_FORMAT = 2
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -136,6 +139,7 @@ def _convert_gguf(shipped: ShippedModel, target: Path) -> None:
             del model.config.quantization_config
         model.save_pretrained(work)
         tokenizer.save_pretrained(work)
+        _record_added_tokens(work, tokenizer)
         (work / _COMPLETE_MARK).write_text(
             json.dumps({"model": shipped.name, "source": gguf.name, "sha256": _file_digest(gguf)})
         )
@@ -153,6 +157,17 @@ def _convert_gguf(shipped: ShippedModel, target: Path) -> None:
         raise
 
 
+def _record_added_tokens(folder: Path, tokenizer: Any) -> None:
+    """Write the added tokens into ``tokenizer_config.json``, as transformers 4 did: without them
+    transformers 5 parses the whole ``tokenizer.json`` in Python on every load to find them again."""
+    config_path = folder / "tokenizer_config.json"
+    config = json.loads(config_path.read_text(encoding="utf-8"))
+    config["added_tokens_decoder"] = {
+        str(index): token.__getstate__() for index, token in tokenizer.added_tokens_decoder.items()
+    }
+    config_path.write_text(json.dumps(config, indent=2, ensure_ascii=False), encoding="utf-8")
+
+
 def converted_model_folder(name: str) -> Path | None:
     """The finished safetensors conversion of a shipped model, or ``None`` before its first load.
 
@@ -163,7 +178,7 @@ def converted_model_folder(name: str) -> Path | None:
 
 
 def _conversion_target(shipped: ShippedModel) -> Path:
-    return kvshift_home() / "models" / shipped.source_key()
+    return kvshift_home() / "models" / f"{shipped.source_key()}-v{_CONVERSION_FORMAT}"
 
 
 def shipped_model_folder(name: str = DEFAULT_MODEL) -> Path:
@@ -182,6 +197,8 @@ def shipped_model_folder(name: str = DEFAULT_MODEL) -> Path:
         _convert_gguf(shipped, target)
     except (OSError, ValueError, RuntimeError) as exc:
         raise ModelLoadError(f"could not convert {shipped.name} to safetensors in {target.parent}: {exc}") from exc
+    # the first format's folder had no version in its name
+    shutil.rmtree(target.parent / shipped.source_key(), ignore_errors=True)
     return target
 
 
