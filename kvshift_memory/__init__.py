@@ -29,7 +29,15 @@ from .exceptions import (
 
 if TYPE_CHECKING:
     from .agent import AgentMemory, AgentSettings, Reply, ReplyStream
-    from .engine import EngineSettings, GenerationResult, GenerationStream, KVShiftEngine, ReuseStats, ScoreResult
+    from .engine import (
+        EngineSettings,
+        GenerationResult,
+        GenerationStream,
+        Grammar,
+        KVShiftEngine,
+        ReuseStats,
+        ScoreResult,
+    )
     from .store import CheckReport, GCReport, MemoryRecord, MemoryStore
 
 __version__ = "0.1.0"
@@ -42,6 +50,7 @@ _LAZY = {
     "EngineSettings": ".engine",
     "GenerationResult": ".engine",
     "GenerationStream": ".engine",
+    "Grammar": ".engine",
     "KVShiftEngine": ".engine",
     "ReuseStats": ".engine",
     "ScoreResult": ".engine",
@@ -62,6 +71,7 @@ __all__ = [
     "GCReport",
     "GenerationResult",
     "GenerationStream",
+    "Grammar",
     "InvalidInputError",
     "KVShiftEngine",
     "KVShiftError",

@@ -204,7 +204,7 @@ def check_ratio(value: Any, name: str = "recompute_ratio") -> float:
     return float(value)
 
 
-def check_sampling(temperature: Any, top_p: Any, top_k: Any, seed: Any) -> None:
+def check_sampling(temperature: Any, top_p: Any, top_k: Any, seed: Any, repetition_penalty: Any = 1.0) -> None:
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not 0.0 <= temperature <= 100.0:
         raise InvalidInputError(f"temperature must be a number in [0, 100], got {temperature!r}")
     if isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0.0 < top_p <= 1.0:
@@ -212,6 +212,12 @@ def check_sampling(temperature: Any, top_p: Any, top_k: Any, seed: Any) -> None:
     check_non_negative_int(top_k, "top_k (0: no limit)")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
         raise InvalidInputError(f"seed must be an int or None, got {seed!r}")
+    if (
+        isinstance(repetition_penalty, bool)
+        or not isinstance(repetition_penalty, (int, float))
+        or not 1.0 <= repetition_penalty <= 10.0
+    ):
+        raise InvalidInputError(f"repetition_penalty must be a number in [1, 10], got {repetition_penalty!r}")
 
 
 def check_stop(stop: Any) -> list[str]:

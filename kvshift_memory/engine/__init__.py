@@ -1,6 +1,15 @@
 """Model loading, prefill and generation with reuse, the blend, and their statistics."""
 
 from .engine import EngineSettings, GenerationStream, KVShiftEngine
+from .grammar import Grammar
 from .results import GenerationResult, ReuseStats, ScoreResult
 
-__all__ = ["EngineSettings", "GenerationResult", "GenerationStream", "KVShiftEngine", "ReuseStats", "ScoreResult"]
+__all__ = [
+    "EngineSettings",
+    "GenerationResult",
+    "GenerationStream",
+    "Grammar",
+    "KVShiftEngine",
+    "ReuseStats",
+    "ScoreResult",
+]

@@ -16,11 +16,21 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
     from .engine import KVShiftEngine
+    from .grammar import GrammarMatcher
 
-__all__ = ["GenerationStream", "Sampling", "eos_ids", "generate_steps", "held_back", "pick_token", "score_continuation"]
+__all__ = [
+    "GenerationStream",
+    "Sampling",
+    "eos_ids",
+    "generate_steps",
+    "held_back",
+    "penalise_repeats",
+    "pick_token",
+    "score_continuation",
+]
 
-#: temperature, top_p, top_k, seed
-Sampling = tuple[float, float, int, "int | None"]
+#: temperature, top_p, top_k, seed, repetition_penalty
+Sampling = tuple[float, float, int, "int | None", float]
 
 
 class GenerationStream(Iterator[str]):
@@ -67,6 +77,17 @@ def eos_ids(model: PreTrainedModel, tokenizer: Any) -> frozenset[int]:
     return frozenset(ids)
 
 
+def penalise_repeats(logits: torch.Tensor, generated: list[int], penalty: float) -> torch.Tensor:
+    """``logits`` with the tokens of this answer made less likely (CTRL's repetition penalty:
+    a positive logit divided by ``penalty``, a negative one multiplied). The prompt's tokens are
+    left alone, so an answer still copies names and numbers from it freely."""
+    if penalty == 1.0 or not generated:
+        return logits
+    seen = torch.tensor(sorted(set(generated)), device=logits.device)
+    scores = logits[seen]
+    return logits.index_copy(0, seen, torch.where(scores > 0, scores / penalty, scores * penalty))
+
+
 def pick_token(
     logits: torch.Tensor, temperature: float, top_p: float, top_k: int, generator: torch.Generator | None
 ) -> int:
@@ -87,14 +108,21 @@ def pick_token(
 
 
 def generate_steps(
-    engine: KVShiftEngine, plan: PromptPlan, sampling: Sampling, stops: list[str], started: float
+    engine: KVShiftEngine,
+    plan: PromptPlan,
+    sampling: Sampling,
+    stops: list[str],
+    started: float,
+    matcher: GrammarMatcher | None = None,
 ) -> Iterator[str | ReuseStats | GenerationResult]:
     """Prefill ``plan`` and decode: yields the stats at the first token, text pieces, then the result.
+
+    With ``matcher``, only tokens its grammar allows are picked, and the answer ends with the grammar.
 
     The K/V computed (prompt and answer) is remembered for prefix reuse when the generator ends,
     closed early included.
     """
-    temperature, top_p, top_k, seed = sampling
+    temperature, top_p, top_k, seed, repetition_penalty = sampling
     generator = None
     if temperature > 0.0:
         generator = torch.Generator()
@@ -110,6 +138,9 @@ def generate_steps(
     decode_started = None
     try:
         while True:
+            logits = penalise_repeats(logits, generated, repetition_penalty)
+            if matcher is not None:
+                logits = matcher.mask(logits)
             token = pick_token(logits, temperature, top_p, top_k, generator)
             if decode_started is None:
                 decode_started = time.perf_counter()
@@ -119,6 +150,8 @@ def generate_steps(
                 finish = "stop"
                 break
             generated.append(token)
+            if matcher is not None:
+                matcher.consume(token)
             text = engine.tokenizer.decode(generated, skip_special_tokens=True)
             cut = min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)
             if cut >= 0:
@@ -128,6 +161,9 @@ def generate_steps(
             if ready > emitted:
                 yield text[emitted:ready]
                 emitted = ready
+            if matcher is not None and matcher.finished:
+                finish = "stop"
+                break
             if len(generated) == plan.extra_tokens:
                 break
             slot = n + len(generated) - 1

@@ -31,6 +31,7 @@ from .decoding import GenerationStream, eos_ids, generate_steps, score_continuat
 from .families import PositionScheme, position_scheme, text_decoder
 from .fingerprint import model_fingerprint
 from .fragments import FragmentCache
+from .grammar import Grammar, GrammarMatcher, grammar_tokenizer
 from .loading import load_model, resolve_device, resolve_dtype
 from .packing import pack_linear_layers
 from .planning import Planner, PreparedPrompt, PromptPlan
@@ -116,6 +117,8 @@ class KVShiftEngine:
             self.costs,
         )
         self._planner = Planner(self._tokens, self.settings, self.max_positions, self.position_scheme)
+        self._grammar_tokenizer: Any = None
+        self._grammar_lock = threading.Lock()
 
     @classmethod
     def from_pretrained(
@@ -191,11 +194,13 @@ class KVShiftEngine:
         top_p: float = 1.0,
         top_k: int = 0,
         seed: int | None = None,
+        repetition_penalty: float = 1.0,
         stop: str | Sequence[str] | None = None,
         stream: Literal[False] = False,
         fragments_after: str | None = None,
         encode_context: str | None = None,
         namespace: str | None = None,
+        grammar: Grammar | None = None,
     ) -> GenerationResult: ...
 
     @overload
@@ -211,11 +216,13 @@ class KVShiftEngine:
         top_p: float = 1.0,
         top_k: int = 0,
         seed: int | None = None,
+        repetition_penalty: float = 1.0,
         stop: str | Sequence[str] | None = None,
         stream: Literal[True],
         fragments_after: str | None = None,
         encode_context: str | None = None,
         namespace: str | None = None,
+        grammar: Grammar | None = None,
     ) -> GenerationStream: ...
 
     def generate(
@@ -230,11 +237,13 @@ class KVShiftEngine:
         top_p: float = 1.0,
         top_k: int = 0,
         seed: int | None = None,
+        repetition_penalty: float = 1.0,
         stop: str | Sequence[str] | None = None,
         stream: bool = False,
         fragments_after: str | None = None,
         encode_context: str | None = None,
         namespace: str | None = None,
+        grammar: Grammar | None = None,
     ) -> GenerationResult | GenerationStream:
         """Answer ``messages`` with ``memories`` in the system message.
 
@@ -248,6 +257,8 @@ class KVShiftEngine:
         :param recompute_ratio: share of the shifted fragment tokens the blend recomputes
             (default ``settings.recompute_ratio``).
         :param temperature: 0 for greedy decoding, else sampling with ``top_p``/``top_k``/``seed``.
+        :param repetition_penalty: above 1, tokens this answer already holds are made less likely
+            (a small model's greedy loops end; the prompt's tokens are not penalised).
         :param stop: strings that end the answer (not included in it).
         :param stream: return a :class:`GenerationStream` of text pieces instead of waiting.
         :param fragments_after: the system message memories' fragments are encoded after (and
@@ -264,6 +275,10 @@ class KVShiftEngine:
             the same namespace, so neither the answer's speed nor ``stats`` tells one tenant what
             another has sent. Calls without one share the default namespace; a server for several
             users passes each user's id (:class:`AgentMemory` and the framework adapters do).
+        :param grammar: what the answer must match (:class:`Grammar`: a JSON schema, a regular
+            expression, a Lark grammar); tokens it forbids are never picked, and the answer ends
+            where the grammar does. Give ``max_new_tokens`` room to finish: an answer cut by it
+            (``finish_reason == "length"``) may be incomplete.
         :returns: a :class:`GenerationResult` (text, token ids, stats, finish reason).
         :raises InvalidInputError: bad messages, memories or parameters.
         :raises ContextOverflowError: the prompt plus ``max_new_tokens`` exceeds the context window.
@@ -272,13 +287,16 @@ class KVShiftEngine:
         """
         started = time.perf_counter()  # TTFT counts from here: validation and tokenising are the user's wait too
         max_new_tokens = inputs.check_positive_int(max_new_tokens, "max_new_tokens")
-        inputs.check_sampling(temperature, top_p, top_k, seed)
+        inputs.check_sampling(temperature, top_p, top_k, seed, repetition_penalty)
         stops = inputs.check_stop(stop)
+        if grammar is not None and not isinstance(grammar, Grammar):
+            raise InvalidInputError(f"grammar is a kvshift_memory.Grammar, not {type(grammar).__name__}")
+        matcher = None if grammar is None else GrammarMatcher(grammar, self.grammar_tokenizer())
         plan = self._planner.plan(
             messages, memories, reuse, recompute_ratio, max_new_tokens, fragments_after, encode_context, namespace
         )
-        sampling = (float(temperature), float(top_p), int(top_k), seed)
-        steps = GenerationStream(generate_steps(self, plan, sampling, stops, started))
+        sampling = (float(temperature), float(top_p), int(top_k), seed, float(repetition_penalty))
+        steps = GenerationStream(generate_steps(self, plan, sampling, stops, started, matcher))
         if stream:
             return steps
         for _ in steps:
@@ -375,6 +393,16 @@ class KVShiftEngine:
             self.prefix_cache.clear()
         if fragments:
             self.fragments.clear()
+
+    def grammar_tokenizer(self) -> Any:
+        """llguidance's view of this engine's vocabulary, built on first use (constrained decoding).
+
+        :raises InvalidInputError: the tokenizer is not a fast (tokenizers) one.
+        """
+        with self._grammar_lock:
+            if self._grammar_tokenizer is None:
+                self._grammar_tokenizer = grammar_tokenizer(self.tokenizer, self.vocab_size, self.eos_token_ids)
+            return self._grammar_tokenizer
 
     def count_tokens(self, text: str, *, namespace: str | None = None) -> int:
         """Tokens ``text`` takes as message content (``namespace``: as in :meth:`generate`)."""
