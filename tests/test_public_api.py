@@ -17,6 +17,7 @@ EXPECTED = {
     "GCReport",
     "GenerationResult",
     "GenerationStream",
+    "Grammar",
     "InvalidInputError",
     "KVShiftEngine",
     "KVShiftError",
@@ -42,6 +43,12 @@ def test_all_is_pinned():
 
 
 ADAPTERS = {
+    "put_item",
+    "list_items",
+    "item_of",
+    "get_item",
+    "delete_item",
+    "Item",
     "FEATURES",
     "Decision",
     "Engine",
@@ -50,6 +57,7 @@ ADAPTERS = {
     "WriteBackModel",
     "archive",
     "archived_text",
+    "context_window",
     "explicit_request",
     "forget_closest",
     "last_sentence",

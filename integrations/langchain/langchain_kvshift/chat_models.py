@@ -5,34 +5,63 @@ already read (the previous turn's prompt and reply, exactly) and prefills only t
 reused is reported the way LangChain reports provider-side prompt caching:
 ``usage_metadata["input_token_details"]["cache_read"]`` (tokens served from reused K/V) and
 ``["cache_creation"]`` (tokens computed in this call and kept for reuse by later calls).
+
+Tool calls and structured output are decoded under a grammar (:class:`kvshift_memory.Grammar`), so
+even a small model's calls and JSON always parse and follow their schema (:mod:`.tool_calls`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator, Sequence
-from typing import Any
+import json
+from collections.abc import Callable, Iterator, Sequence
+from operator import itemgetter
+from typing import Any, Literal
 
 from langchain_core.callbacks import CallbackManagerForLLMRun
-from langchain_core.language_models import BaseChatModel, LangSmithParams
+from langchain_core.language_models import BaseChatModel, LangSmithParams, LanguageModelInput
+from langchain_core.language_models.model_profile import ModelProfile
 from langchain_core.messages import (
     AIMessage,
     AIMessageChunk,
     BaseMessage,
     ChatMessage,
+    ToolMessage,
     UsageMetadata,
 )
+from langchain_core.messages.tool import tool_call_chunk
+from langchain_core.output_parsers import JsonOutputKeyToolsParser, JsonOutputParser, PydanticOutputParser
+from langchain_core.output_parsers.openai_tools import PydanticToolsParser
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
-from pydantic import ConfigDict, Field
+from langchain_core.runnables import Runnable, RunnableMap, RunnablePassthrough
+from langchain_core.tools import BaseTool
+from langchain_core.utils.function_calling import convert_to_json_schema, convert_to_openai_tool
+from langchain_core.utils.pydantic import is_basemodel_subclass
+from pydantic import BaseModel, ConfigDict, Field
 
-from kvshift_memory import GenerationResult, InvalidInputError, KVShiftEngine, MemoryStore
-from kvshift_memory.adapters import marked_user_message, strip_markers
+from kvshift_memory import GenerationResult, Grammar, InvalidInputError, KVShiftEngine, MemoryStore
+from kvshift_memory.adapters import context_window, marked_user_message, strip_markers
+from langchain_kvshift.tool_calls import (
+    closed_schema,
+    format_tool_calls,
+    parse_tool_calls,
+    tool_call_grammar,
+    tool_response,
+    tools_instructions,
+)
 
 __all__ = ["ChatKVShift"]
 
 BUNDLED_MODEL = "SmolLM2-135M-Instruct"
 
-_ROLES = {"human": "user", "user": "user", "ai": "assistant", "assistant": "assistant", "system": "system"}
+_ROLES = {
+    "human": "user",
+    "user": "user",
+    "ai": "assistant",
+    "assistant": "assistant",
+    "system": "system",
+    "tool": "tool",
+}
 # per-call keyword arguments a call may override, and the engine's names for them
 _CALL_OPTIONS = {
     "max_tokens": "max_new_tokens",
@@ -41,7 +70,17 @@ _CALL_OPTIONS = {
     "seed": "seed",
     "reuse": "reuse",
     "recompute_ratio": "recompute_ratio",
+    "repetition_penalty": "repetition_penalty",
 }
+# under a grammar a greedy loop cannot end by itself (inside a JSON string the closing quote loses
+# to the loop, and a cut answer does not parse): structured answers and tool calls penalise repeats
+_CONSTRAINED_REPETITION_PENALTY = 1.1
+# content blocks of an AI message that repeat its tool_calls (Anthropic's and LangChain's own)
+_CALL_BLOCKS = ("tool_use", "tool_call")
+# per-call keyword arguments that shape the prompt and the grammar (bind_tools, with_structured_output)
+_TOOL_OPTIONS = ("tools", "tool_choice", "strict", "response_format")
+# per-call keyword arguments that say whose call it is (KVShiftMiddleware sets them from the run's context)
+_TENANT_OPTIONS = ("store", "user_id", "session_id")
 
 
 def _text(message: BaseMessage, index: int) -> str:
@@ -54,6 +93,8 @@ def _text(message: BaseMessage, index: int) -> str:
             parts.append(block)
         elif isinstance(block, dict) and block.get("type") == "text" and isinstance(block.get("text"), str):
             parts.append(block["text"])
+        elif isinstance(message, AIMessage) and isinstance(block, dict) and block.get("type") in _CALL_BLOCKS:
+            continue  # the message's tool_calls say the same, and are written from there
         else:
             kind = block.get("type") if isinstance(block, dict) else type(block).__name__
             raise InvalidInputError(f"messages[{index}] holds a {kind!r} content block; ChatKVShift reads text only")
@@ -67,26 +108,47 @@ def to_engine_messages(
 
     System messages are joined into one leading system message (the engine's chat template has
     one place for it), in order; human, AI and chat messages with those roles keep their order.
+    An AI message's tool calls are written after its text as the model writes them, and tool
+    results become user turns (:mod:`langchain_kvshift.tool_calls`); consecutive results share one.
     With ``store`` and ``user_id``, a human message's markers that name this user's memories
     bring their fragments along (:func:`~kvshift_memory.adapters.marked_user_message`); every
     other marker is removed.
 
-    :raises InvalidInputError: a tool or function message, an unknown role, a non-text block.
+    :raises InvalidInputError: a function message, an unknown role, a non-text block.
     """
     system: list[str] = []
     turns: list[dict[str, Any]] = []
     for index, message in enumerate(messages):
         role = message.role if isinstance(message, ChatMessage) else message.type
         if role not in _ROLES:
-            raise InvalidInputError(f"messages[{index}] is a {role!r} message; ChatKVShift has no tool calling")
+            raise InvalidInputError(f"messages[{index}] is a {role!r} message; ChatKVShift reads {sorted(_ROLES)}")
         text = _text(message, index)
         if _ROLES[role] == "system":
             system.append(strip_markers(text))
         elif _ROLES[role] == "user":
             turns.append(marked_user_message(text, store, tenant=user_id, session_id=session_id))
+        elif _ROLES[role] == "tool":
+            response = tool_response(strip_markers(text))
+            if isinstance(messages[index - 1] if index else None, ToolMessage):
+                turns[-1]["content"] += "\n" + response
+            else:
+                turns.append({"role": "user", "content": response})
         else:
-            turns.append({"role": "assistant", "content": strip_markers(text)})
+            calls = message.tool_calls if isinstance(message, AIMessage) else []
+            content = "\n".join(part for part in (strip_markers(text), format_tool_calls(calls)) if part)
+            turns.append({"role": "assistant", "content": content})
     return ([{"role": "system", "content": "\n\n".join(system)}] if system else []) + turns
+
+
+def _with_system_text(messages: list[dict[str, Any]], text: str) -> list[dict[str, Any]]:
+    """``messages`` with ``text`` after the system message's (a system message of its own when none)."""
+    if messages and messages[0]["role"] == "system":
+        return [{**messages[0], "content": f"{messages[0]['content']}\n\n{text}"}, *messages[1:]]
+    return [{"role": "system", "content": text}, *messages]
+
+
+def _schema_instructions(schema: dict[str, Any]) -> str:
+    return f"Answer with one JSON object that follows this JSON schema:\n{json.dumps(schema, ensure_ascii=False)}"
 
 
 class ChatKVShift(BaseChatModel):
@@ -101,6 +163,8 @@ class ChatKVShift(BaseChatModel):
     :param temperature: 0 for greedy decoding.
     :param stop: strings that end a reply (not included).
     :param reuse: ``"none"``, ``"prefix"``, ``"blend"`` or ``None`` (the engine's choice).
+    :param repetition_penalty: above 1, tokens the answer already holds are made less likely;
+        ``None``: 1.1 for structured output and tool calls (a loop would never close the JSON), 1 otherwise.
     :param recompute_ratio: the blend's share of memory tokens recomputed; 0 (shift only, the
         fastest, and it changes some answers: docs/benchmarks/writeback.md), ``None`` for the
         engine's default. ``reuse="prefix"`` answers as full recompute does, as ``AgentMemory`` does.
@@ -123,6 +187,7 @@ class ChatKVShift(BaseChatModel):
     stop: list[str] | None = None
     reuse: str | None = None
     recompute_ratio: float | None = 0.0
+    repetition_penalty: float | None = None
     streaming: bool = False
     store: MemoryStore | None = Field(default=None, exclude=True)
     user_id: str | None = None
@@ -138,12 +203,65 @@ class ChatKVShift(BaseChatModel):
 
     @property
     def _identifying_params(self) -> dict[str, Any]:
+        # everything that changes an answer, and the tenant: an LLM cache keyed by these never
+        # hands one user's answer to another or a call with other settings
         return {
             "model_name": self.model_name,
             "max_tokens": self.max_tokens,
             "temperature": self.temperature,
+            "top_p": self.top_p,
+            "seed": self.seed,
+            "stop": self.stop,
             "reuse": self.reuse,
+            "recompute_ratio": self.recompute_ratio,
+            "repetition_penalty": self.repetition_penalty,
+            "user_id": self.user_id,
+            "session_id": self.session_id,
         }
+
+    @classmethod
+    def is_lc_serializable(cls) -> bool:
+        """Settings serialise (``dumpd``/``load``); an engine or store given is left out and rebuilt or re-given."""
+        return True
+
+    @classmethod
+    def get_lc_namespace(cls) -> list[str]:
+        return ["langchain_kvshift", "chat_models"]
+
+    def _resolve_model_profile(self) -> ModelProfile | None:
+        # constructing loads no weights: the context window comes from a loaded engine or the config
+        window = self.engine.max_positions if self.engine is not None else context_window(self.model)
+        if window is None:
+            return None
+        return ModelProfile(
+            max_input_tokens=window,
+            text_inputs=True,
+            text_outputs=True,
+            tool_calling=True,
+            tool_choice=True,
+            structured_output=True,
+            image_inputs=False,
+            audio_inputs=False,
+            pdf_inputs=False,
+            video_inputs=False,
+        )
+
+    def get_token_ids(self, text: str) -> list[int]:
+        """``text``'s tokens under the model's own tokenizer (as message content; no special tokens).
+
+        :raises InvalidInputError: ``text`` is not a string.
+        """
+        if not isinstance(text, str):
+            raise InvalidInputError(f"text is a string, not {type(text).__name__}")
+        return list(self._engine().tokenizer.encode(text, add_special_tokens=False))
+
+    def get_num_tokens_from_messages(self, messages: list[BaseMessage], tools: Sequence[Any] | None = None) -> int:
+        """The tokens of the whole prompt these messages make: chat template, tool descriptions and all."""
+        bound = [convert_to_openai_tool(tool) for tool in tools or ()]
+        prompt = self._engine_messages(messages)
+        if bound:
+            prompt = _with_system_text(prompt, tools_instructions(bound))
+        return self._engine().plan(prompt, reuse="none", namespace=self.user_id).layout.length
 
     def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> LangSmithParams:
         return LangSmithParams(
@@ -155,31 +273,64 @@ class ChatKVShift(BaseChatModel):
             ls_stop=stop or self.stop,
         )
 
-    def _engine_messages(self, messages: Sequence[BaseMessage]) -> list[dict[str, Any]]:
-        return to_engine_messages(messages, self.store, user_id=self.user_id, session_id=self.session_id)
+    def _engine_messages(
+        self, messages: Sequence[BaseMessage], kwargs: dict[str, Any] | None = None
+    ) -> list[dict[str, Any]]:
+        who = {name: (kwargs or {}).get(name, getattr(self, name)) for name in _TENANT_OPTIONS}
+        return to_engine_messages(messages, who["store"], user_id=who["user_id"], session_id=who["session_id"])
 
     def _engine(self) -> KVShiftEngine:
         return self.engine if self.engine is not None else KVShiftEngine.shared(self.model)
 
-    def _options(self, stop: list[str] | None, kwargs: dict[str, Any]) -> dict[str, Any]:
+    def _options(self, stop: list[str] | None, kwargs: dict[str, Any], constrained: bool = False) -> dict[str, Any]:
         model = kwargs.pop("model", None)
         if model is not None and model != self.model_name and model != self.model:
             raise InvalidInputError(
                 f"ChatKVShift serves {self.model_name!r}; a per-call model ({model!r}) would load other weights: "
                 "build another ChatKVShift"
             )
-        unknown = set(kwargs) - set(_CALL_OPTIONS)
+        unknown = set(kwargs) - set(_CALL_OPTIONS) - set(_TOOL_OPTIONS) - set(_TENANT_OPTIONS)
         if unknown:
-            raise InvalidInputError(
-                f"ChatKVShift takes no {sorted(unknown)}; per-call options are {sorted(_CALL_OPTIONS)}"
-            )
+            known = sorted([*_CALL_OPTIONS, *_TOOL_OPTIONS, *_TENANT_OPTIONS])
+            raise InvalidInputError(f"ChatKVShift takes no {sorted(unknown)}; per-call options are {known}")
         options = {engine_name: getattr(self, name) for name, engine_name in _CALL_OPTIONS.items()}
-        options.update({_CALL_OPTIONS[name]: value for name, value in kwargs.items()})
+        options.update({_CALL_OPTIONS[name]: value for name, value in kwargs.items() if name in _CALL_OPTIONS})
         options["stop"] = list(self.stop or []) + list(stop or [])
-        options["namespace"] = self.user_id
+        options["namespace"] = kwargs.get("user_id", self.user_id)
+        if options["repetition_penalty"] is None:
+            options["repetition_penalty"] = _CONSTRAINED_REPETITION_PENALTY if constrained else 1.0
         return options
 
-    def _message(self, result: GenerationResult | None, chunk: bool = False) -> AIMessage | AIMessageChunk:
+    def _prompt(
+        self, messages: Sequence[BaseMessage], kwargs: dict[str, Any]
+    ) -> tuple[list[dict[str, Any]], Grammar | None, bool]:
+        """The engine's messages, the grammar the answer follows, and whether tools are bound.
+
+        :raises InvalidInputError: a tool, tool choice or response format that cannot be honoured.
+        """
+        prompt = self._engine_messages(messages, kwargs)
+        tools = kwargs.pop("tools", None) or []
+        choice = kwargs.pop("tool_choice", None)
+        strict = kwargs.pop("strict", None)
+        response_format = kwargs.pop("response_format", None)
+        if response_format is not None:
+            if tools:
+                raise InvalidInputError("give tools or a response_format, not both")
+            return _response_format(prompt, response_format)
+        if choice is not None and not tools:
+            raise InvalidInputError("tool_choice without tools: bind_tools(tools, tool_choice=...)")
+        if not tools:
+            return prompt, None, False
+        if choice in ("any", "required", True):
+            choice = "any"
+        elif isinstance(choice, dict):  # OpenAI's {"type": "function", "function": {"name": ...}}
+            choice = choice.get("function", {}).get("name") or choice.get("name")
+        if choice is not None and not isinstance(choice, str):
+            raise InvalidInputError(f"tool_choice is a tool's name, 'auto', 'any' or 'none', not {choice!r}")
+        grammar = tool_call_grammar(tools, choice, closed=strict is not False)
+        return _with_system_text(prompt, tools_instructions(tools)), grammar, grammar is not None
+
+    def _message(self, result: GenerationResult | None, tools: bool = False) -> AIMessage:
         assert result is not None  # a generation, or a stream once exhausted, has its result
         stats = result.stats
         engine = self._engine()
@@ -193,14 +344,27 @@ class ChatKVShift(BaseChatModel):
             "total_tokens": stats.prompt_tokens + stats.generated_tokens,
             "input_token_details": {"cache_read": stats.reused_tokens, "cache_creation": created},
         }
+        text, calls = parse_tool_calls(result.text) if tools else (result.text, [])
         metadata = {
             "model_name": self.model_name,
-            "finish_reason": result.finish_reason,
+            "finish_reason": "tool_calls" if calls else result.finish_reason,
             "reuse_stats": dataclasses.asdict(stats),
         }
-        if chunk:
-            return AIMessageChunk(content="", usage_metadata=usage, response_metadata=metadata, chunk_position="last")
-        return AIMessage(content=result.text, usage_metadata=usage, response_metadata=metadata)
+        return AIMessage(content=text, tool_calls=calls, usage_metadata=usage, response_metadata=metadata)
+
+    def _last_chunk(self, result: GenerationResult | None, tools: bool = False) -> AIMessageChunk:
+        """The chunk that ends a stream: usage and metadata, and with tools the whole answer and its calls."""
+        message = self._message(result, tools)
+        return AIMessageChunk(
+            content=message.content if tools else "",
+            tool_call_chunks=[
+                tool_call_chunk(name=call["name"], args=json.dumps(call["args"]), id=call["id"], index=index)
+                for index, call in enumerate(message.tool_calls)
+            ],
+            usage_metadata=message.usage_metadata,
+            response_metadata=message.response_metadata,
+            chunk_position="last",
+        )
 
     def _generate(
         self,
@@ -209,9 +373,10 @@ class ChatKVShift(BaseChatModel):
         run_manager: CallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> ChatResult:
-        options = self._options(stop, kwargs)
-        result = self._engine().generate(self._engine_messages(messages), **options)
-        return ChatResult(generations=[ChatGeneration(message=self._message(result))])
+        prompt, grammar, tools = self._prompt(messages, kwargs)
+        options = self._options(stop, kwargs, constrained=grammar is not None)
+        result = self._engine().generate(prompt, grammar=grammar, **options)
+        return ChatResult(generations=[ChatGeneration(message=self._message(result, tools=tools))])
 
     def _stream(
         self,
@@ -220,8 +385,16 @@ class ChatKVShift(BaseChatModel):
         run_manager: CallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> Iterator[ChatGenerationChunk]:
-        options = self._options(stop, kwargs)
-        pieces = self._engine().generate(self._engine_messages(messages), stream=True, **options)
+        prompt, grammar, tools = self._prompt(messages, kwargs)
+        options = self._options(stop, kwargs, constrained=grammar is not None)
+        if tools:  # a call is parsed whole: the answer comes as one chunk holding its text and calls
+            result = self._engine().generate(prompt, grammar=grammar, **options)
+            last = self._last_chunk(result, tools=True)
+            if run_manager is not None and last.text:
+                run_manager.on_llm_new_token(last.text)
+            yield ChatGenerationChunk(message=last)
+            return
+        pieces = self._engine().generate(prompt, stream=True, grammar=grammar, **options)
         finished = False
         try:
             for piece in pieces:
@@ -233,6 +406,111 @@ class ChatKVShift(BaseChatModel):
         finally:
             if not finished:
                 pieces.close()  # a consumer that stopped early ends the generation; the cache stays valid
-        last = self._message(pieces.result, chunk=True)
-        assert isinstance(last, AIMessageChunk)
-        yield ChatGenerationChunk(message=last)
+        yield ChatGenerationChunk(message=self._last_chunk(pieces.result))
+
+    def bind_tools(
+        self,
+        tools: Sequence[dict[str, Any] | type | Callable[..., Any] | BaseTool],
+        *,
+        tool_choice: str | bool | dict[str, Any] | None = None,
+        strict: bool | None = None,
+        **kwargs: Any,
+    ) -> Runnable[LanguageModelInput, AIMessage]:
+        """This model with ``tools`` it may call; each call is decoded under the tools' JSON schemas.
+
+        :param tool_choice: ``"auto"``/``None`` (the model answers or calls), ``"any"``,
+            ``"required"`` or ``True`` (it calls one), a tool's name (it calls that one), ``"none"``.
+        :param strict: arguments always follow the tool's schema; by default (and with ``True``)
+            they hold its listed keys only, with ``False`` they may hold others.
+        :raises InvalidInputError: a tool that does not convert to a JSON schema, or a
+            ``tool_choice`` naming none of them.
+        """
+        try:
+            converted = [convert_to_openai_tool(tool) for tool in tools]
+        except (ValueError, TypeError) as exc:
+            raise InvalidInputError(f"a tool cannot be described as a JSON schema: {exc}") from None
+        names = [tool["function"]["name"] for tool in converted]
+        if isinstance(tool_choice, str) and tool_choice not in ("auto", "any", "required", "none", *names):
+            raise InvalidInputError(f"tool_choice {tool_choice!r} names none of the bound tools {names}")
+        return super().bind(tools=converted, tool_choice=tool_choice, strict=strict, **kwargs)
+
+    def with_structured_output(
+        self,
+        schema: dict[str, Any] | type,
+        *,
+        method: Literal["json_schema", "function_calling", "json_mode"] = "json_schema",
+        include_raw: bool = False,
+        strict: bool | None = None,
+        **kwargs: Any,
+    ) -> Runnable[LanguageModelInput, dict[str, Any] | BaseModel]:
+        """This model answering with an instance of ``schema`` (a Pydantic model, a TypedDict or a JSON schema).
+
+        :param method: ``"json_schema"`` (the answer is decoded under the schema), ``"function_calling"``
+            (a forced call of a tool with the schema's arguments), ``"json_mode"`` (any JSON object;
+            the prompt says what it should hold).
+        :param include_raw: return ``{"raw", "parsed", "parsing_error"}`` instead of raising on a parse error.
+        :param strict: the answer always follows the schema; by default (and with ``True``) its
+            objects hold their listed keys only (:func:`~langchain_kvshift.tool_calls.closed_schema`),
+            with ``False`` they may hold others, as JSON Schema allows.
+        :raises InvalidInputError: an unknown method, or keyword arguments this model does not take.
+        """
+        if kwargs:
+            raise InvalidInputError(f"with_structured_output takes no {sorted(kwargs)}")
+        pydantic = is_basemodel_subclass(schema) if isinstance(schema, type) else False
+        parser: Runnable[Any, Any]
+        if method == "function_calling":
+            tool = convert_to_openai_tool(schema)
+            name = tool["function"]["name"]
+            llm = self.bind_tools(
+                [schema],
+                tool_choice=name,
+                strict=strict,
+                ls_structured_output_format={"kwargs": {"method": method}, "schema": tool},
+            )
+            parser = (
+                PydanticToolsParser(tools=[schema], first_tool_only=True)  # type: ignore[list-item]
+                if pydantic
+                else JsonOutputKeyToolsParser(key_name=name, first_tool_only=True)
+            )
+        elif method in ("json_schema", "json_mode"):
+            json_schema = convert_to_json_schema(schema)
+            response_format: dict[str, Any] = (
+                {"type": "json_schema", "schema": json_schema, "strict": strict is not False}
+                if method == "json_schema"
+                else {"type": "json_object"}
+            )
+            llm = self.bind(
+                response_format=response_format,
+                ls_structured_output_format={"kwargs": {"method": method}, "schema": json_schema},
+            )
+            parser = PydanticOutputParser(pydantic_object=schema) if pydantic else JsonOutputParser()  # type: ignore[arg-type]
+        else:
+            raise InvalidInputError(f"method is 'json_schema', 'function_calling' or 'json_mode', not {method!r}")
+        if not include_raw:
+            return llm | parser
+        parsed = RunnablePassthrough.assign(parsed=itemgetter("raw") | parser, parsing_error=lambda _: None)
+        failed = RunnablePassthrough.assign(parsed=lambda _: None)
+        return RunnableMap(raw=llm) | parsed.with_fallbacks([failed], exception_key="parsing_error")
+
+
+def _response_format(
+    prompt: list[dict[str, Any]], response_format: Any
+) -> tuple[list[dict[str, Any]], Grammar | None, bool]:
+    """The prompt and grammar of a ``response_format``: ``{"type": "json_schema", "schema": {...}}``
+    (OpenAI's nesting under ``"json_schema"`` is read too; ``"strict": false`` leaves objects open)
+    or ``{"type": "json_object"}``.
+
+    :raises InvalidInputError: any other value.
+    """
+    kind = response_format.get("type") if isinstance(response_format, dict) else None
+    if kind == "json_object":
+        return prompt, Grammar.json_schema({"type": "object"}), False
+    if kind == "json_schema":
+        schema = response_format.get("schema") or response_format.get("json_schema", {}).get("schema")
+        if isinstance(schema, dict):
+            grammar = Grammar.json_schema(schema if response_format.get("strict") is False else closed_schema(schema))
+            return _with_system_text(prompt, _schema_instructions(schema)), grammar, False
+    raise InvalidInputError(
+        "response_format is {'type': 'json_schema', 'schema': {...}} or {'type': 'json_object'}, "
+        f"not {response_format!r}"
+    )

@@ -7,19 +7,28 @@ fragments instead of reading their text. The marked message replaces the origina
 state (same id), so the next turn's prompt starts with this one and the engine reuses it exactly.
 After the final answer, the human's message is written back when the bundled write-back rule
 finds it worth keeping.
+
+One agent serves every user: the user (and session) come from the run's context
+(``agent.invoke(..., context={"user_id": "alice", "session_id": "s1"})``, a dict or an object with
+those attributes) and the store from ``create_agent(store=KVShiftStore(...))``, unless given at
+construction; the model call is told the same user, so a :class:`~langchain_kvshift.ChatKVShift`
+reuses K/V and resolves memories for that user only.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 from typing import Any
 
-from langchain.agents.middleware import AgentMiddleware, AgentState
+from langchain.agents.middleware import AgentMiddleware, AgentState, ModelRequest, ModelResponse
 from langchain_core.messages import AIMessage, HumanMessage
 from langgraph.runtime import Runtime
 
-from kvshift_memory import MemoryStore
+from kvshift_memory import InvalidInputError, MemoryStore
 from kvshift_memory.adapters import WriteBackModel, archive, last_sentence, parse_markers, recall, render_memories
+from langchain_kvshift.chat_models import ChatKVShift
+from langchain_kvshift.store import KVShiftStore
 
 __all__ = ["KVShiftMiddleware"]
 
@@ -30,9 +39,12 @@ ORIGINAL = "kvshift_original"
 class KVShiftMiddleware(AgentMiddleware):
     """Recalled memories before the model call, write-back after the answer.
 
-    :param store: the user's :class:`~kvshift_memory.MemoryStore` (give the same one to ChatKVShift).
-    :param user_id: the tenant: recall never crosses it.
-    :param session_id: archived messages are stored under it; recall reaches all the user's sessions.
+    :param store: the :class:`~kvshift_memory.MemoryStore`; default: the one under the agent's
+        :class:`~langchain_kvshift.KVShiftStore` (``runtime.store``).
+    :param user_id: the tenant, for an agent of one user; default: the run context's ``user_id``.
+        Recall never crosses it.
+    :param session_id: archived messages are stored under it (default: the run context's
+        ``session_id``, else ``"default"``); recall reaches all the user's sessions.
     :param recall_k: memories recalled per message (most relevant last), each with a similarity of
         at least ``recall_min_score``; memories the conversation shows already are skipped.
     :param write_back: archive the human's messages the bundled write-back rule finds worth keeping.
@@ -40,9 +52,9 @@ class KVShiftMiddleware(AgentMiddleware):
 
     def __init__(
         self,
-        store: MemoryStore,
-        user_id: str,
-        session_id: str,
+        store: MemoryStore | None = None,
+        user_id: str | None = None,
+        session_id: str | None = None,
         *,
         recall_k: int = 4,
         recall_min_score: float = 0.3,
@@ -59,11 +71,60 @@ class KVShiftMiddleware(AgentMiddleware):
         self.write_back = write_back
         self._rule = WriteBackModel.bundled()
 
+    def who(self, runtime: Runtime[Any] | None) -> tuple[MemoryStore, str, str | None]:
+        """The store, user and session of this run.
+
+        :raises InvalidInputError: no user given or in the run's context, or no store given and
+            the agent's store is not a :class:`KVShiftStore`.
+        """
+        context = getattr(runtime, "context", None)
+
+        def from_context(name: str) -> Any:
+            return context.get(name) if isinstance(context, dict) else getattr(context, name, None)
+
+        user = self.user_id or from_context("user_id")
+        if not isinstance(user, str) or not user:
+            raise InvalidInputError(
+                "KVShiftMiddleware needs the user: KVShiftMiddleware(user_id=...), or "
+                "agent.invoke(..., context={'user_id': ...})"
+            )
+        store = self.store
+        if store is None:
+            agent_store = getattr(runtime, "store", None)
+            if not isinstance(agent_store, KVShiftStore):
+                raise InvalidInputError(
+                    "KVShiftMiddleware needs a store: KVShiftMiddleware(store=...), "
+                    "or create_agent(store=KVShiftStore(...))"
+                )
+            store = agent_store.memory_store
+        session = self.session_id or from_context("session_id")
+        return store, user, session if isinstance(session, str) and session else None
+
+    def wrap_model_call(self, request: ModelRequest, handler: Callable[[ModelRequest], ModelResponse]) -> ModelResponse:
+        """Tell a ChatKVShift model whose call this is (its K/V reuse and memory markers follow the user)."""
+        return handler(self._for_user(request))
+
+    async def awrap_model_call(
+        self, request: ModelRequest, handler: Callable[[ModelRequest], Awaitable[ModelResponse]]
+    ) -> ModelResponse:
+        """:meth:`wrap_model_call` for async runs."""
+        return await handler(self._for_user(request))
+
+    def _for_user(self, request: ModelRequest) -> ModelRequest:
+        if not isinstance(request.model, ChatKVShift):
+            return request
+        store, user, _ = self.who(request.runtime)
+        # recall reaches every session of the user, so its markers resolve in every session
+        settings = {**request.model_settings, "store": store, "user_id": user, "session_id": None}
+        return request.override(model_settings=settings)
+
     def before_model(self, state: AgentState[Any], runtime: Runtime[Any]) -> dict[str, Any] | None:
         """Put the memories the last human message recalls in front of it (once per message).
 
+        :raises InvalidInputError: as :meth:`who`.
         :raises StoreError: the store cannot be searched.
         """
+        store, user, session = self.who(runtime)
         messages = state["messages"]
         last = messages[-1] if messages else None
         if not isinstance(last, HumanMessage) or ORIGINAL in last.additional_kwargs or not last.text.strip():
@@ -75,10 +136,10 @@ class KVShiftMiddleware(AgentMiddleware):
             if span.memory_id and span.version is not None
         }
         recalled = recall(
-            self.store,
+            store,
             last.text,
-            user_id=self.user_id,
-            session_id=self.session_id,
+            user_id=user,
+            session_id=session,
             exclude=shown,
             k=self.recall_k,
             min_score=self.recall_min_score,
@@ -92,6 +153,7 @@ class KVShiftMiddleware(AgentMiddleware):
     def after_model(self, state: AgentState[Any], runtime: Runtime[Any]) -> dict[str, Any] | None:
         """Archive the human message the final answer replied to, when it is worth keeping.
 
+        :raises InvalidInputError: as :meth:`who`.
         :raises StoreError: the store cannot be written.
         """
         messages = state["messages"]
@@ -107,7 +169,8 @@ class KVShiftMiddleware(AgentMiddleware):
             return None
         text = human.additional_kwargs.get(ORIGINAL, human.text)
         reply = next((m.text for m in reversed(messages[: messages.index(human)]) if isinstance(m, AIMessage)), "")
-        archive(self._rule, self.store, text, last_sentence(reply), user_id=self.user_id, session_id=self.session_id)
+        store, user, session = self.who(runtime)
+        archive(self._rule, store, text, last_sentence(reply), user_id=user, session_id=session or "default")
         return None
 
     async def abefore_model(self, state: AgentState[Any], runtime: Runtime[Any]) -> dict[str, Any] | None:

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import pytest
-from langchain_core.messages import AIMessage, HumanMessage, SystemMessage, ToolMessage
+from langchain_core.messages import AIMessage, FunctionMessage, HumanMessage, SystemMessage, ToolMessage
 from langchain_tests.unit_tests import ChatModelUnitTests
 
 import kvshift_memory.engine.engine as engine_module
 from kvshift_memory import InvalidInputError
-from langchain_kvshift import ChatKVShift, chat_models
+from langchain_kvshift import ChatKVShift, chat_models, tool_calls
 
 
 class TestChatKVShiftUnit(ChatModelUnitTests):
@@ -23,6 +23,15 @@ class TestChatKVShiftUnit(ChatModelUnitTests):
     @property
     def supports_model_override(self) -> bool:
         return False  # one engine holds one model's weights and K/V: another model is another instance
+
+    @pytest.mark.xfail(
+        strict=True,
+        reason="load(allowed_objects='all') admits only the classes in langchain-core's own mapping; "
+        "ChatKVShift loads with allowed_objects=[ChatKVShift] "
+        "(test_settings_round_trip_through_langchain_serialisation)",
+    )
+    def test_serdes(self, model, snapshot) -> None:
+        super().test_serdes(model, snapshot)
 
 
 def test_constructing_loads_no_engine():
@@ -51,7 +60,7 @@ def test_system_messages_are_joined_first_and_text_blocks_read():
 @pytest.mark.parametrize(
     "message, match",
     [
-        (ToolMessage("42", tool_call_id="call-1"), "tool"),
+        (FunctionMessage("42", name="lookup"), "function"),
         (HumanMessage([{"type": "image", "url": "https://example.com/cat.png"}]), "image"),
         (HumanMessage([{"type": "text", "text": 3}]), "text"),
     ],
@@ -65,8 +74,8 @@ def test_call_options_are_checked_before_any_model_work():
     llm = ChatKVShift()
     with pytest.raises(InvalidInputError, match="per-call model"):
         llm._options(None, {"model": "gpt2"})
-    with pytest.raises(InvalidInputError, match="tools"):
-        llm._options(None, {"tools": []})
+    with pytest.raises(InvalidInputError, match="functions"):
+        llm._options(None, {"functions": []})
     options = llm._options(["\n\n"], {"max_tokens": 5, "model": chat_models.BUNDLED_MODEL})
     assert options["max_new_tokens"] == 5 and options["stop"] == ["\n\n"]
     assert llm._get_ls_params(stop=["x"], max_tokens=5)["ls_max_tokens"] == 5
@@ -76,3 +85,100 @@ def test_markers_never_reach_the_engine_without_a_store():
     marked = "Human: hi\n⟦mem:a@1⟧The budget is 50k.⟦/mem⟧\nHuman: and?"
     unresolved = chat_models.to_engine_messages([SystemMessage(marked), HumanMessage(marked), AIMessage(marked)])
     assert all("⟦" not in m["content"] and "memories" not in m for m in unresolved)
+
+
+def test_tool_calls_and_results_are_written_as_the_model_writes_them():
+    call = {"name": "magic_function", "args": {"input": 3}, "id": "call_1", "type": "tool_call"}
+    messages = [
+        HumanMessage("What is magic_function(3)?"),
+        AIMessage("", tool_calls=[call]),
+        ToolMessage("5", tool_call_id="call_1"),
+        ToolMessage("7", tool_call_id="call_2"),
+    ]
+    turns = chat_models.to_engine_messages(messages)
+    assert turns[1] == {
+        "role": "assistant",
+        "content": '<tool_call>\n{"name": "magic_function", "arguments": {"input": 3}}\n</tool_call>',
+    }
+    assert turns[2] == {
+        "role": "user",
+        "content": "<tool_response>\n5\n</tool_response>\n<tool_response>\n7\n</tool_response>",
+    }
+    text, calls = tool_calls.parse_tool_calls("Sure.\n" + turns[1]["content"])
+    assert text == "Sure." and [(c["name"], c["args"]) for c in calls] == [("magic_function", {"input": 3})]
+    assert calls[0]["id"].startswith("call_")
+
+
+def test_a_block_that_is_not_a_call_stays_text():
+    for body in ("not json", '["a list"]', '{"arguments": {}}'):
+        text = f"<tool_call>\n{body}\n</tool_call>"
+        assert tool_calls.parse_tool_calls(text) == (text, [])
+
+
+def test_schemas_are_closed_unless_they_say_otherwise():
+    schema = {
+        "type": "object",
+        "properties": {
+            "type": {"type": "object", "properties": {"x": {"type": "integer"}}},
+            "tags": {"type": "array", "items": {"type": "object", "properties": {}}},
+            "extra": {"type": "object", "additionalProperties": True},
+        },
+    }
+    closed = tool_calls.closed_schema(schema)
+    assert closed["additionalProperties"] is False
+    assert closed["properties"]["type"]["additionalProperties"] is False
+    assert closed["properties"]["tags"]["items"]["additionalProperties"] is False
+    assert closed["properties"]["extra"]["additionalProperties"] is True
+    assert "additionalProperties" not in closed["properties"]["type"]["properties"]["x"]
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"tool_choice": "any"}, "tool_choice without tools"),
+        ({"response_format": {"type": "xml"}}, "response_format"),
+        ({"response_format": "json"}, "response_format"),
+        ({"response_format": {"type": "json_schema", "schema": {"type": "objekt"}}}, "schema"),
+    ],
+)
+def test_bad_tool_and_format_options_are_refused_before_any_model_work(kwargs, match):
+    with pytest.raises(InvalidInputError, match=match):
+        ChatKVShift()._prompt([HumanMessage("hi")], dict(kwargs))
+
+
+def test_bind_tools_refuses_what_it_cannot_honour():
+    with pytest.raises(InvalidInputError, match="names none of the bound tools"):
+        ChatKVShift().bind_tools([{"type": "function", "function": {"name": "a", "parameters": {}}}], tool_choice="b")
+    with pytest.raises(InvalidInputError, match="JSON schema"):
+        ChatKVShift().bind_tools([42])
+    with pytest.raises(InvalidInputError, match="method"):
+        ChatKVShift().with_structured_output({"type": "object"}, method="xml")
+
+
+def test_identifying_params_hold_every_setting_that_changes_an_answer_and_the_tenant():
+    base = ChatKVShift()._identifying_params
+    for field, value in [
+        ("top_p", 0.5),
+        ("seed", 3),
+        ("stop", ["\n"]),
+        ("recompute_ratio", 0.2),
+        ("user_id", "alice"),
+        ("session_id", "s1"),
+    ]:
+        assert ChatKVShift(**{field: value})._identifying_params != base, field
+
+
+def test_profile_is_known_without_loading_weights():
+    before = dict(engine_module._SHARED)
+    assert ChatKVShift().profile["max_input_tokens"] == 8192
+    assert ChatKVShift(model="gemma-3-270m").profile["max_input_tokens"] == 32768
+    assert ChatKVShift(model="/nowhere/at/all").profile is None
+    assert engine_module._SHARED == before
+
+
+def test_settings_round_trip_through_langchain_serialisation():
+    from langchain_core.load import dumpd, load
+
+    llm = ChatKVShift(max_tokens=12, temperature=0.3, seed=4, user_id="alice", stop=["\n"])
+    loaded = load(dumpd(llm), valid_namespaces=["langchain_kvshift"], allowed_objects=[ChatKVShift])
+    assert isinstance(loaded, ChatKVShift) and loaded._identifying_params == llm._identifying_params
