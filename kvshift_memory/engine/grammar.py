@@ -71,9 +71,7 @@ class Grammar:
 
         :raises InvalidInputError: ``pattern`` is not a string or does not compile.
         """
-        if not isinstance(pattern, str):
-            raise InvalidInputError(f"a regular expression is a string, not {type(pattern).__name__}")
-        _check_size(pattern)
+        _check_text(pattern, "regular expression")
         return cls._checked(_llguidance().LLMatcher.grammar_from_regex(pattern), "regular expression")
 
     @classmethod
@@ -83,9 +81,7 @@ class Grammar:
 
         :raises InvalidInputError: ``grammar`` is not a string or does not compile.
         """
-        if not isinstance(grammar, str):
-            raise InvalidInputError(f"a Lark grammar is a string, not {type(grammar).__name__}")
-        _check_size(grammar)
+        _check_text(grammar, "Lark grammar")
         return cls._checked(_llguidance().LLMatcher.grammar_from_lark(grammar), "Lark grammar")
 
     @classmethod
@@ -94,6 +90,12 @@ class Grammar:
         if error:
             raise InvalidInputError(f"the {description} is not a grammar llguidance accepts: {error}")
         return cls(source, description)
+
+
+def _check_text(text: object, what: str) -> None:
+    if not isinstance(text, str):
+        raise InvalidInputError(f"a {what} is a string, not {type(text).__name__}")
+    _check_size(text)
 
 
 def _check_size(text: str) -> None:

@@ -209,11 +209,5 @@ class KVShiftStore(BaseStore):
 
     @staticmethod
     def _as_search_item(item: StoredItem, score: float | None) -> SearchItem:
-        return SearchItem(
-            namespace=item.namespace,
-            key=item.key,
-            value=item.value,
-            created_at=_when(item.created_at),
-            updated_at=_when(item.updated_at),
-            score=score,
-        )
+        found = KVShiftStore._as_item(item)
+        return SearchItem(found.namespace, found.key, found.value, found.created_at, found.updated_at, score)
