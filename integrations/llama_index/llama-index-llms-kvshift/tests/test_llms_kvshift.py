@@ -77,6 +77,58 @@ def test_streaming_and_async_give_the_same_text():
     assert asyncio.run(collect()) == whole
 
 
+def test_async_streaming_leaves_the_event_loop_free():
+    llm = KVShiftLLM(max_tokens=48)
+    messages = [ChatMessage(role="user", content="Describe Lisbon in a few sentences.")]
+    llm.chat(messages)  # the engine loaded; the streamed call below reuses the prompt and decodes
+
+    async def run() -> tuple[int, float, str]:
+        ticks = 0
+        done = asyncio.Event()
+
+        async def ticker() -> None:
+            nonlocal ticks
+            while not done.is_set():
+                await asyncio.sleep(0.01)
+                ticks += 1
+
+        task = asyncio.create_task(ticker())
+        started = asyncio.get_running_loop().time()
+        text = "".join([r.delta async for r in await llm.astream_chat(messages)])
+        elapsed = asyncio.get_running_loop().time() - started
+        done.set()
+        await task
+        return ticks, elapsed, text
+
+    ticks, elapsed, text = asyncio.run(run())
+    assert text and ticks >= 0.5 * elapsed / 0.01, (ticks, elapsed)
+
+
+def test_an_async_stream_closed_early_stops_the_generation():
+    llm = KVShiftLLM(max_tokens=64)
+    messages = [ChatMessage(role="user", content="Count from one to fifty in words.")]
+
+    async def first_piece() -> str:
+        stream = await llm.astream_complete("Count from one to fifty in words.")
+        piece = await anext(stream)
+        await stream.aclose()
+        return piece.delta
+
+    assert asyncio.run(first_piece())
+    assert llm.chat(messages).message.content  # the engine is free again
+
+
+def test_async_calls_fire_their_callback_events_once():
+    from llama_index.core.callbacks import CallbackManager, LlamaDebugHandler
+
+    handler = LlamaDebugHandler()
+    llm = KVShiftLLM(max_tokens=8, callback_manager=CallbackManager([handler]))
+    messages = [ChatMessage(role="user", content="Name a city in Spain.")]
+    asyncio.run(llm.achat(messages))
+    asyncio.run(llm.acomplete("Name a city in Spain."))
+    assert len(handler.get_llm_inputs_outputs()) == 2
+
+
 def test_roles_the_engine_cannot_read_are_refused():
     with pytest.raises(InvalidInputError, match="tool"):
         KVShiftLLM().chat([ChatMessage(role="tool", content="42")])

@@ -11,14 +11,17 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import Sequence
-from typing import Any
+import threading
+from collections.abc import AsyncGenerator, Callable, Iterator, Sequence
+from typing import Any, TypeVar
 
 from llama_index.core.base.llms.types import (
     ChatMessage,
     ChatResponse,
+    ChatResponseAsyncGen,
     ChatResponseGen,
     CompletionResponse,
+    CompletionResponseAsyncGen,
     CompletionResponseGen,
     LLMMetadata,
     MessageRole,
@@ -149,13 +152,14 @@ class KVShiftLLM(CustomLLM):
             return {}
         return {"reuse_stats": dataclasses.asdict(result.stats), "finish_reason": result.finish_reason}
 
-    @llm_completion_callback()
-    def complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
+    # The public methods carry LlamaIndex's callback decorators; the async ones call the undecorated
+    # bodies below, so a call fires its callback events once.
+
+    def _complete(self, prompt: str, kwargs: dict[str, Any]) -> CompletionResponse:
         result = self._generate(self._messages([ChatMessage(role=MessageRole.USER, content=prompt)]), kwargs)
         return CompletionResponse(text=result.text, raw=self._raw(result))
 
-    @llm_completion_callback()
-    def stream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseGen:
+    def _stream_complete(self, prompt: str, kwargs: dict[str, Any]) -> CompletionResponseGen:
         pieces = self._stream(self._messages([ChatMessage(role=MessageRole.USER, content=prompt)]), kwargs)
 
         def gen() -> CompletionResponseGen:
@@ -167,13 +171,11 @@ class KVShiftLLM(CustomLLM):
 
         return gen()
 
-    @llm_chat_callback()
-    def chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
+    def _chat(self, messages: Sequence[ChatMessage], kwargs: dict[str, Any]) -> ChatResponse:
         result = self._generate(self._messages(messages), kwargs)
         return ChatResponse(message=ChatMessage(role=MessageRole.ASSISTANT, content=result.text), raw=self._raw(result))
 
-    @llm_chat_callback()
-    def stream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseGen:
+    def _stream_chat(self, messages: Sequence[ChatMessage], kwargs: dict[str, Any]) -> ChatResponseGen:
         pieces = self._stream(self._messages(messages), kwargs)
 
         def gen() -> ChatResponseGen:
@@ -186,12 +188,78 @@ class KVShiftLLM(CustomLLM):
 
         return gen()
 
+    @llm_completion_callback()
+    def complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
+        return self._complete(prompt, kwargs)
+
+    @llm_completion_callback()
+    def stream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseGen:
+        return self._stream_complete(prompt, kwargs)
+
+    @llm_chat_callback()
+    def chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
+        return self._chat(messages, kwargs)
+
+    @llm_chat_callback()
+    def stream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseGen:
+        return self._stream_chat(messages, kwargs)
+
     @llm_chat_callback()
     async def achat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
         """:meth:`chat` in a worker thread, so the event loop keeps running."""
-        return await asyncio.to_thread(self.chat, messages, **kwargs)
+        return await asyncio.to_thread(self._chat, messages, kwargs)
 
     @llm_completion_callback()
     async def acomplete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
         """:meth:`complete` in a worker thread, so the event loop keeps running."""
-        return await asyncio.to_thread(self.complete, prompt, formatted, **kwargs)
+        return await asyncio.to_thread(self._complete, prompt, kwargs)
+
+    @llm_chat_callback()
+    async def astream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseAsyncGen:
+        """:meth:`stream_chat` decoded in a worker thread: each piece reaches the loop as it is made."""
+        return _in_worker_thread(lambda: self._stream_chat(messages, kwargs))
+
+    @llm_completion_callback()
+    async def astream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseAsyncGen:
+        """:meth:`stream_complete` decoded in a worker thread: each piece reaches the loop as it is made."""
+        return _in_worker_thread(lambda: self._stream_complete(prompt, kwargs))
+
+
+_Piece = TypeVar("_Piece")
+
+
+async def _in_worker_thread(make: Callable[[], Iterator[_Piece]]) -> AsyncGenerator[_Piece, None]:
+    """The items of the iterator ``make`` returns, produced in a worker thread and handed to the
+    event loop one by one. A consumer that stops early stops the producer (the iterator is closed)."""
+    loop = asyncio.get_running_loop()
+    queue: asyncio.Queue[tuple[bool, Any]] = asyncio.Queue()
+    stop = threading.Event()
+
+    def produce() -> None:
+        try:
+            iterator = make()
+            try:
+                for item in iterator:
+                    if stop.is_set():
+                        break
+                    loop.call_soon_threadsafe(queue.put_nowait, (False, item))
+            finally:
+                close = getattr(iterator, "close", None)
+                if close is not None:
+                    close()
+            loop.call_soon_threadsafe(queue.put_nowait, (True, None))
+        except BaseException as exc:  # handed to the consumer, raised where it awaits
+            loop.call_soon_threadsafe(queue.put_nowait, (True, exc))
+
+    worker = loop.run_in_executor(None, produce)
+    try:
+        while True:
+            finished, item = await queue.get()
+            if finished:
+                if item is not None:
+                    raise item
+                return
+            yield item
+    finally:
+        stop.set()
+        await worker
