@@ -38,3 +38,14 @@ def test_the_core_version_is_written_in_one_place():
     config = tomllib.loads((ROOT / "pyproject.toml").read_text())
     assert "version" not in config["project"] and "version" in config["project"]["dynamic"]
     assert config["tool"]["setuptools"]["dynamic"]["version"] == {"attr": "kvshift_memory.__version__"}
+
+
+def test_llamahub_metadata_names_what_each_llama_index_package_exports():
+    import importlib
+
+    for folder in DISTRIBUTIONS:
+        if "llama-index" not in folder:
+            continue
+        hub = tomllib.loads((ROOT / folder / "pyproject.toml").read_text())["tool"]["llamahub"]
+        module = importlib.import_module(hub["import_path"])
+        assert set(hub["class_authors"]) == set(module.__all__), folder

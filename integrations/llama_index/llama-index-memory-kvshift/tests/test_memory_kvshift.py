@@ -57,7 +57,8 @@ def _llm(store, **kwargs) -> tuple[KVShiftLLM, list[dict]]:
 
 def _memory(store, **kwargs) -> KVShiftMemory:
     # a small window, so that the first turn has left it by the fifth and must be recalled
-    return KVShiftMemory.from_defaults(store=store, user_id="alice", session_id="trip", token_limit=160, **kwargs)
+    kwargs = {"token_limit": 160, **kwargs}
+    return KVShiftMemory.from_defaults(store=store, user_id="alice", session_id="trip", **kwargs)
 
 
 def _fact_record(store):
@@ -183,3 +184,62 @@ def test_forged_markers_in_a_message_load_nothing(store):
         assert seen[-1]["fragments_hit"] + seen[-1]["fragments_missed"] == 0  # no memory placed
     llm.chat([ChatMessage(role="user", content=f"What is this?\n{render_marker(own)}\n")])
     assert seen[-1]["fragments_hit"] + seen[-1]["fragments_missed"] == 1
+
+
+def test_a_memory_over_a_persisted_chat_store_continues_the_conversation_after_a_restart(store):
+    from llama_index.core.storage.chat_store import SimpleChatStore
+
+    llm, seen = _llm(store)
+    chat_store = SimpleChatStore()
+    memory = _memory(store, chat_store=chat_store)
+    chat = SimpleChatEngine.from_defaults(llm=llm, memory=memory)
+    for turn in TURNS:
+        chat.chat(turn)
+    # what a persistent chat store (Redis, a database) keeps: each message as JSON, read back.
+    # (SimpleChatStore.persist itself fails under pydantic 2.14 with llama-index-core 0.14.25.)
+    persisted = [message.model_dump_json() for message in chat_store.get_messages("trip")]
+
+    # a new process: a new memory over the persisted chat store, nothing else carried over
+    reopened = SimpleChatStore()
+    reopened.set_messages("trip", [ChatMessage.model_validate_json(message) for message in persisted])
+    restored = _memory(store, chat_store=reopened)
+    assert [(m.role, m.content) for m in restored.get_all()] == [(m.role, m.content) for m in memory.get_all()]
+    # the same window, with the same memories in front of the same messages: the same prompt
+    assert [(m.role, m.content) for m in restored.get()] == [(m.role, m.content) for m in memory.get()]
+    assert "⟦mem:" in "".join(m.content for m in restored.get())
+    again = SimpleChatEngine.from_defaults(llm=llm, memory=restored)
+    assert again.chat("Thanks, that helps.").response
+    assert seen[-1]["fragments_missed"] == 0
+    assert "kvshift_recalled" not in str([m.additional_kwargs for m in restored.get_all()])
+
+
+def test_references_in_a_chat_store_are_untrusted(store):
+    from llama_index.core.storage.chat_store import SimpleChatStore
+
+    alice_fact = store.add(FACT, tenant="alice")
+    bob_secret = store.add("Bob's bank PIN is 5521.", tenant="bob")
+    updated = store.add("Alice's cat is called Miso.", tenant="alice")
+    store.supersede(updated.id, "Alice's cat is called Mochi.", tenant="alice")
+    chat_store = SimpleChatStore()
+    references = [
+        [alice_fact.id, alice_fact.version],
+        [bob_secret.id, bob_secret.version],  # another user's
+        [updated.id, 1],  # a version no longer live
+        ["\x00bad id", 1],
+        "garbage",
+        [alice_fact.id, "1"],
+    ]
+    chat_store.set_messages(
+        "trip",
+        [
+            ChatMessage(role="user", content="Hello", additional_kwargs={"kvshift_recalled": references}),
+            ChatMessage(role="assistant", content="Hi!", additional_kwargs={"kvshift_archived": "nonsense"}),
+        ],
+    )
+    memory = _memory(store, chat_store=chat_store)
+    shown = "".join(m.content for m in memory.get())
+    assert render_marker(alice_fact) in shown
+    assert "PIN" not in shown and "Miso" not in shown and "Mochi" not in shown
+    # a caller's message cannot plant references either
+    memory.put(ChatMessage(role="user", content="Hi", additional_kwargs={"kvshift_recalled": references[1:2]}))
+    assert "PIN" not in "".join(m.content for m in memory.get())

@@ -11,6 +11,10 @@ stored fragments instead of reading their text again.
 After each reply, the user's message is archived when the bundled write-back rule finds it worth
 keeping, and its fragment is encoded at once, so a later turn that recalls it (once the window no
 longer shows it) pays nothing to read it.
+
+The conversation lives in a LlamaIndex chat store (``SimpleChatStore`` by default, in this process
+only; a persisted one, Redis or a database, survives a restart). Each stored message carries the
+ids of the memories shown with it, so a memory restored from it shows the same prompt as before.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from typing import Any
 
 from llama_index.core.base.llms.types import ChatMessage, MessageRole
 from llama_index.core.memory import BaseMemory
+from llama_index.core.storage.chat_store import BaseChatStore, SimpleChatStore
 from pydantic import ConfigDict, Field, PrivateAttr
 
 from kvshift_memory import InvalidInputError, KVShiftEngine, MemoryRecord, MemoryStore
@@ -32,6 +37,13 @@ __all__ = ["KVShiftMemory"]
 
 # template tokens a message costs around its content (`<|im_start|>user\n` ... `<|im_end|>\n`)
 _MESSAGE_OVERHEAD = 6
+# what a message in the chat store carries besides itself: the (id, version) of the memories shown
+# with it, and (an assistant's) what the user message it answers was archived as
+_RECALLED = "kvshift_recalled"
+_ARCHIVED = "kvshift_archived"
+_OWN_KEYS = (_RECALLED, _ARCHIVED)
+# memory references read back from one stored message, at most: the chat store is untrusted input
+_MAX_REFERENCES = 64
 
 
 @dataclass
@@ -64,6 +76,9 @@ class KVShiftMemory(BaseMemory):
         shared engine for it, as KVShiftLLM uses; ``None``: the bundled model); or pass ``engine``.
     :param fragments_after: the system message fragments are encoded after; default the engine's
         system prompt, as KVShiftLLM's default (both must agree for a fragment to be reused).
+    :param chat_store: where the conversation is kept (default: a ``SimpleChatStore`` of this
+        process); a memory built over a chat store that holds ``chat_store_key`` continues it.
+    :param chat_store_key: the conversation's key in ``chat_store`` (default ``session_id``).
     """
 
     model_config = ConfigDict(arbitrary_types_allowed=True)
@@ -79,12 +94,15 @@ class KVShiftMemory(BaseMemory):
     write_back: bool = True
     model: str | None = None
     fragments_after: str | None = None
+    chat_store: BaseChatStore = Field(default_factory=SimpleChatStore, exclude=True)
+    chat_store_key: str | None = None
     _engine: KVShiftEngine | None = PrivateAttr(default=None)
     _entries: list[_Entry] = PrivateAttr(default_factory=list)
     _start: int = PrivateAttr(default=0)  # the window's first entry
     _pending: tuple[str, list[MemoryRecord]] | None = PrivateAttr(default=None)  # (input, what it recalled)
     _lock: threading.RLock = PrivateAttr(default_factory=threading.RLock)
     _rule: WriteBackModel = PrivateAttr(default_factory=WriteBackModel.bundled)
+    _restored: bool = PrivateAttr(default=False)
 
     def __init__(self, *, engine: KVShiftEngine | None = None, **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -124,6 +142,7 @@ class KVShiftMemory(BaseMemory):
         if input is not None and not isinstance(input, str):
             raise InvalidInputError(f"input must be text, got {type(input).__name__}")
         with self._lock:
+            self._restore()
             query = input if input is not None else self._unrecalled_query()
             recalled = self._recall(query) if query else []
             needed = initial_token_count + self._count(render_memories(recalled, self.memories_header))
@@ -135,6 +154,8 @@ class KVShiftMemory(BaseMemory):
                 self._pending = (input, recalled)
             elif query:
                 self._attach(self._entries[-1], recalled)
+                self.chat_store.delete_last_message(self._key)
+                self.chat_store.add_message(self._key, self._stored(self._entries[-1]))
             messages = [self._rendered(entry) for entry in self._entries[self._start :]]
             if input is not None and recalled:
                 messages.append(
@@ -145,6 +166,7 @@ class KVShiftMemory(BaseMemory):
     def get_all(self) -> list[ChatMessage]:
         """Every message put, as it was put (no recalled memories), including those the window dropped."""
         with self._lock:
+            self._restore()
             return [entry.message for entry in self._entries]
 
     def put(self, message: ChatMessage) -> None:
@@ -156,13 +178,15 @@ class KVShiftMemory(BaseMemory):
         if not isinstance(message, ChatMessage):
             raise InvalidInputError(f"put takes a ChatMessage, got {type(message).__name__}")
         with self._lock:
+            self._restore()
+            message = _without_own_keys(message)
             entry = _Entry(message, tokens=self._count(message.content or ""))
             if message.role == MessageRole.USER and self._pending is not None and self._pending[0] == message.content:
                 self._attach(entry, self._pending[1])
             self._pending = None
             self._entries.append(entry)
-            if message.role == MessageRole.ASSISTANT and self.write_back:
-                self._archive_last_turn()
+            archived = self._archive_last_turn() if message.role == MessageRole.ASSISTANT and self.write_back else None
+            self.chat_store.add_message(self._key, self._stored(entry, archived))
 
     def set(self, messages: list[ChatMessage]) -> None:
         """Replace the conversation with ``messages`` (nothing is recalled for them or archived).
@@ -172,17 +196,75 @@ class KVShiftMemory(BaseMemory):
         if not isinstance(messages, list) or not all(isinstance(m, ChatMessage) for m in messages):
             raise InvalidInputError("set takes a list of ChatMessage")
         with self._lock:
+            messages = [_without_own_keys(m) for m in messages]
             self._entries = [
                 _Entry(m, recall_done=True, written_back=True, tokens=self._count(m.content or "")) for m in messages
             ]
-            self._start, self._pending = 0, None
+            self._start, self._pending, self._restored = 0, None, True
+            self.chat_store.set_messages(self._key, messages)
 
     def reset(self) -> None:
-        """Forget the conversation (the store keeps what was archived)."""
+        """Forget the conversation, in the chat store too (the memory store keeps what was archived)."""
         with self._lock:
-            self._entries, self._start, self._pending = [], 0, None
+            self._entries, self._start, self._pending, self._restored = [], 0, None, True
+            self.chat_store.delete_messages(self._key)
 
     # ------------------------------------------------------------------ internals
+
+    @property
+    def _key(self) -> str:
+        return self.chat_store_key or self.session_id
+
+    def _restore(self) -> None:
+        """Read the conversation ``chat_store`` holds, once, with the memories shown with each message.
+
+        The chat store is untrusted: references that are malformed, of another user, or to a
+        version no longer live are dropped (the message stays, shown without that memory).
+        """
+        if self._restored:
+            return
+        self._restored = True
+        for stored in self.chat_store.get_messages(self._key):
+            if not isinstance(stored, ChatMessage):
+                continue
+            entry = _Entry(
+                _without_own_keys(stored),
+                self._records(stored.additional_kwargs.get(_RECALLED)),
+                recall_done=True,
+                written_back=True,
+            )
+            entry.tokens = self._count(self._rendered(entry).content or "")
+            archived = self._records([stored.additional_kwargs.get(_ARCHIVED)])
+            users = [e for e in self._entries if e.message.role == MessageRole.USER]
+            if archived and users and stored.role == MessageRole.ASSISTANT:
+                users[-1].archived = archived[0]
+            self._entries.append(entry)
+
+    def _records(self, references: Any) -> list[MemoryRecord]:
+        """The live memories of this user that ``references`` (``[id, version]`` pairs) name."""
+        if not isinstance(references, list):
+            return []
+        records = []
+        for reference in references[:_MAX_REFERENCES]:
+            if not (isinstance(reference, list) and len(reference) == 2 and isinstance(reference[1], int)):
+                continue
+            try:
+                record = self.store.get(reference[0], tenant=self.user_id)
+            except InvalidInputError:  # a malformed id: never a memory of this user
+                continue
+            if record is not None and record.version == reference[1]:
+                records.append(record)
+        return records
+
+    @staticmethod
+    def _stored(entry: _Entry, archived: MemoryRecord | None = None) -> ChatMessage:
+        """``entry``'s message as the chat store keeps it: with the references this memory reads back."""
+        kwargs = dict(entry.message.additional_kwargs)
+        if entry.recalled:
+            kwargs[_RECALLED] = [[record.id, record.version] for record in entry.recalled]
+        if archived is not None:
+            kwargs[_ARCHIVED] = [archived.id, archived.version]
+        return entry.message.model_copy(update={"additional_kwargs": kwargs})
 
     def _count(self, text: str) -> int:
         """Tokens the model reads for a message of ``text`` (a marker is not read: its memory is)."""
@@ -246,13 +328,17 @@ class KVShiftMemory(BaseMemory):
         self._start = start
         return dropped
 
-    def _archive_last_turn(self) -> None:
+    def _archive_last_turn(self) -> MemoryRecord | None:
+        """Archive the last user message when the rule finds it worth keeping.
+
+        :returns: the memory it was archived as, else ``None``.
+        """
         users = [i for i, entry in enumerate(self._entries) if entry.message.role == MessageRole.USER]
         if not users:
-            return
+            return None
         turn = self._entries[users[-1]]
         if turn.written_back:
-            return
+            return None
         turn.written_back = True
         replies = [e for e in self._entries[: users[-1]] if e.message.role == MessageRole.ASSISTANT]
         previous = last_sentence(replies[-1].message.content or "") if replies else ""
@@ -265,7 +351,7 @@ class KVShiftMemory(BaseMemory):
             session_id=self.session_id,
         )
         if record is None or decision != "archive":  # nothing stored (or a request to forget, which deleted it)
-            return
+            return None
         turn.archived = record
         # encoded now, after the reply: the turn that recalls it later reads it for free
         self.engine.warm(
@@ -274,3 +360,12 @@ class KVShiftMemory(BaseMemory):
             lead_fragments=False,
             namespace=self.user_id,
         )
+        return record
+
+
+def _without_own_keys(message: ChatMessage) -> ChatMessage:
+    """``message`` without the keys this memory writes into the chat store (a caller's are not trusted)."""
+    if not any(key in message.additional_kwargs for key in _OWN_KEYS):
+        return message
+    kwargs = {k: v for k, v in message.additional_kwargs.items() if k not in _OWN_KEYS}
+    return message.model_copy(update={"additional_kwargs": kwargs})

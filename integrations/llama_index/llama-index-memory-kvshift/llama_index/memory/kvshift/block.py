@@ -1,0 +1,184 @@
+"""``KVShiftMemoryBlock``: the user's long-term memories as a block of LlamaIndex's ``Memory``.
+
+``Memory`` keeps the session's recent messages in its chat store and asks each of its blocks for
+content to put in front of them. This block recalls, for the latest user message, the memories of
+the user from a :class:`kvshift_memory.MemoryStore` (every earlier session of theirs), rendered in
+span markers (``docs/how-it-works.md``), so that ``llama_index.llms.kvshift.KVShiftLLM`` built
+with the same store and user places their stored fragments instead of reading their text again.
+
+Build the ``Memory`` with ``insert_method="user"``: the memories then join the latest user
+message, and every earlier message of the prompt stays as it was, so each turn reuses the
+previous one's cache (with the default, the system message would change every turn).
+
+The user's messages are written back as the bundled write-back rule decides, when a block first
+sees them; a message the rule defers (a question that states nothing new) is stored when
+``Memory`` flushes it out of its window.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import threading
+from typing import Any
+
+from llama_index.core.base.llms.types import ChatMessage, MessageRole
+from llama_index.core.memory import BaseMemoryBlock
+from pydantic import ConfigDict, Field, PrivateAttr
+
+from kvshift_memory import InvalidInputError, MemoryRecord, MemoryStore
+from kvshift_memory.adapters import (
+    Decision,
+    WriteBackModel,
+    archive,
+    archived_text,
+    explicit_request,
+    last_sentence,
+    recall,
+    render_memories,
+)
+
+__all__ = ["KVShiftMemoryBlock"]
+
+# rough characters per token, to size a truncation without the caller's tokenizer
+_CHARS_PER_TOKEN = 4
+
+
+class KVShiftMemoryBlock(BaseMemoryBlock[str]):
+    """Memories of ``user_id`` recalled for the latest user message, in span markers.
+
+    :param store: the user's :class:`~kvshift_memory.MemoryStore` (give the same one to KVShiftLLM).
+    :param user_id: the tenant: recall, write-back and markers never cross it.
+    :param recall_k: memories recalled per user message, most relevant last, each at least
+        ``recall_min_score`` similar to it; memories whose text the window shows already are skipped.
+    :param memories_header: the line in front of the recalled memories.
+    :param write_back: archive the user's messages the bundled write-back rule finds worth keeping.
+    """
+
+    model_config = ConfigDict(arbitrary_types_allowed=True)
+
+    name: str = Field(default="user_memories", description="The name of the memory block.")
+    description: str | None = Field(default="What the user said in earlier sessions, recalled by relevance.")
+    store: MemoryStore = Field(exclude=True)
+    user_id: str
+    recall_k: int = Field(default=4, gt=0)
+    recall_min_score: float = 0.3
+    memories_header: str = "What you remember about the user:"
+    write_back: bool = True
+    _rule: WriteBackModel = PrivateAttr(default_factory=WriteBackModel.bundled)
+    # the write-back decision of each user message seen in this process, by (session, message digest)
+    _decisions: dict[tuple[str, str], Decision] = PrivateAttr(default_factory=dict)
+    _lock: threading.Lock = PrivateAttr(default_factory=threading.Lock)
+
+    async def _aget(self, messages: list[ChatMessage] | None = None, **block_kwargs: Any) -> str:
+        """The memories recalled for the latest user message of ``messages``; ``""`` for none.
+
+        The message is written back first (a request to forget is carried out before the recall);
+        a memory whose text the window shows already, the message's own included, is not recalled.
+
+        :raises InvalidInputError: ``messages`` is not a list of ``ChatMessage``; ``StoreError``:
+            the store cannot be searched or written.
+        """
+        messages = _checked(messages)
+        session_id = block_kwargs.get("session_id")
+        session = session_id if isinstance(session_id, str) and session_id else "default"
+        return await asyncio.to_thread(self._recall_and_write_back, messages, session)
+
+    async def _aput(self, messages: list[ChatMessage]) -> None:
+        """Write back the user messages ``Memory`` flushes out of its window that are not stored yet.
+
+        :raises InvalidInputError: not a list of ``ChatMessage``; ``StoreError``: the store cannot be written.
+        """
+        messages = _checked(messages)
+        await asyncio.to_thread(self._write_back_flushed, messages)
+
+    async def atruncate(self, content: str, tokens_to_truncate: int) -> str | None:
+        """``content`` without its least relevant memories (its first lines), about
+        ``tokens_to_truncate`` tokens shorter; ``None`` when no memory is left."""
+        header, *lines = content.split("\n")
+        removed = 0
+        while lines and removed < tokens_to_truncate:
+            removed += len(lines.pop(0)) // _CHARS_PER_TOKEN + 1
+        return "\n".join([header, *lines]) if lines else None
+
+    # ------------------------------------------------------------------ internals
+
+    def _recall_and_write_back(self, messages: list[ChatMessage], session: str) -> str:
+        users = [i for i, message in enumerate(messages) if message.role == MessageRole.USER]
+        if not users:
+            return ""
+        query = messages[users[-1]].content or ""
+        if not query.strip():
+            return ""
+        if self.write_back:
+            self._write_back(query, _previous_reply(messages, users[-1]), session, flushed=False)
+        shown = [message.content.strip() for message in messages if message.content and message.content.strip()]
+        hits = recall(
+            self.store,
+            query,
+            user_id=self.user_id,
+            session_id=session,
+            k=self.recall_k + len(shown),
+            min_score=self.recall_min_score,
+        )
+        recalled = [hit for hit in hits if not _is_shown(hit, shown)][-self.recall_k :]
+        return render_memories(recalled, self.memories_header)
+
+    def _write_back_flushed(self, messages: list[ChatMessage]) -> None:
+        if not self.write_back:
+            return
+        for i, message in enumerate(messages):
+            if message.role == MessageRole.USER and message.content:
+                session = message.additional_kwargs.get("session_id")
+                session = session if isinstance(session, str) and session else "default"
+                self._write_back(message.content, _previous_reply(messages, i), session, flushed=True)
+
+    def _write_back(self, text: str, previous: str, session: str, *, flushed: bool) -> None:
+        """Archive ``text`` as the rule decides, once.
+
+        A message decided already is decided again only when it was deferred and is now flushed
+        (a deferred message is stored when it leaves the window); one stored already (by an
+        earlier process over the same chat store) is not stored again, and a request to forget
+        is carried out only when first seen, never again on its way out of the window.
+        """
+        key = (session, hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest())
+        with self._lock:
+            decided = self._decisions.get(key)
+            if decided is not None and not (flushed and decided == "defer"):
+                return
+            if decided is None and flushed and explicit_request(text) == "forget":
+                return
+            self._decisions[key] = "window"  # taken: a concurrent call for the same message returns
+        if self._stored(archived_text(text, previous)):
+            return
+        _, decision, _ = archive(
+            self._rule, self.store, text, previous, user_id=self.user_id, session_id=session, window=not flushed
+        )
+        with self._lock:
+            self._decisions[key] = decision
+
+    def _stored(self, text: str) -> bool:
+        if not text.strip():
+            return False
+        return any(hit.text == text for hit in self.store.search(text, tenant=self.user_id, k=2))
+
+
+def _checked(messages: Any) -> list[ChatMessage]:
+    if messages is None:
+        return []
+    if not isinstance(messages, list) or not all(isinstance(m, ChatMessage) for m in messages):
+        raise InvalidInputError("messages must be a list of ChatMessage")
+    return messages
+
+
+def _previous_reply(messages: list[ChatMessage], index: int) -> str:
+    """What the user message at ``index`` answers: the last sentence of the reply before it."""
+    for message in reversed(messages[:index]):
+        if message.role == MessageRole.ASSISTANT and message.content:
+            return last_sentence(message.content)
+    return ""
+
+
+def _is_shown(record: MemoryRecord, shown: list[str]) -> bool:
+    """Whether the window shows ``record``'s text already (archived text ends with the message)."""
+    return any(record.text.endswith(text) for text in shown)
