@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import json
 import uuid
+import warnings
 
+import pytest
+
+from kvshift_memory import CorruptRecordError, InvalidInputError, MemoryStore
 from kvshift_memory.store.index import IndexedState, MemoryIndex, open_index
 
 
@@ -261,3 +265,144 @@ def test_a_thread_waits_for_a_busy_index_only_so_long():
             index.search(vec(0), "alice", None, 5, log.read, lambda t, m: None)
         assert time.perf_counter() - started < 1.0
     assert index.search(vec(0), "alice", None, 5, log.read, lambda t, m: None) == []
+
+
+# --------------------------------------------------------------------------- a Qdrant server
+# No Qdrant server runs here: qdrant-client's own in-process implementation (local mode, the
+# same API) stands in for it, one instance shared by every client a test opens for an http URL.
+
+OWNER_A, OWNER_B = "a" * 32, "b" * 32
+
+
+class _SharedServer:
+    """What ``QdrantClient(url=...)`` returns in these tests: the one local instance (closing a
+    client leaves the server's data, as on a real server); the arguments of each opening are kept."""
+
+    def __init__(self) -> None:
+        from qdrant_client import QdrantClient
+
+        self.instance = QdrantClient(":memory:")
+        self.openings: list[dict] = []
+
+    def client(self, **kwargs):
+        self.openings.append(kwargs)
+        server = self
+
+        class _Client:
+            def __getattr__(self, name):
+                return getattr(server.instance, name)
+
+            def close(self) -> None:
+                pass
+
+        return _Client()
+
+
+@pytest.fixture()
+def qdrant_server(monkeypatch):
+    import qdrant_client
+
+    server = _SharedServer()
+    monkeypatch.setattr(qdrant_client, "QdrantClient", server.client)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "Payload indexes have no effect in the local Qdrant")  # a server's have
+        yield server
+
+
+def _state_of(states: dict):
+    return lambda tenant, memory_id: states.get((tenant, memory_id))
+
+
+def _qdrant(owner: str, **kwargs):
+    return open_index("http://qdrant.test:6333", 4, "test", owner=lambda: owner, **kwargs)
+
+
+def test_stores_sharing_a_qdrant_collection_never_touch_each_others_points(qdrant_server):
+    indexes, logs, states = {}, {}, {}
+    for owner in (OWNER_A, OWNER_B):
+        indexes[owner], logs[owner], states[owner] = _qdrant(owner), Log(), {}
+        for i, memory_id in enumerate(("m1", "m2")):  # the same tenant and ids in both stores
+            logs[owner].add("alice", memory_id)
+            states[owner][("alice", memory_id)] = IndexedState(1, None, vec(i if owner == OWNER_A else 3 - i))
+
+    def search(owner, i):
+        return indexes[owner].search(vec(i), "alice", None, 5, logs[owner].read, _state_of(states[owner]))
+
+    assert search(OWNER_A, 0)[0].memory_id == "m1" and search(OWNER_B, 0)[0].memory_id == "m2"
+    assert all(hit.score > 0.99 or hit.score < 0.01 for hit in search(OWNER_A, 0))  # only A's points
+    assert indexes[OWNER_A].count() == indexes[OWNER_B].count() == 2
+    assert qdrant_server.instance.count("kvshift_memories").count == 4
+
+    # check() of A: its states name only its memories; B's points are no strays of A
+    dropped = indexes[OWNER_A].rebuild(dict(states[OWNER_A]), logs[OWNER_A].read, _state_of(states[OWNER_A]))
+    assert dropped == 0 and indexes[OWNER_B].count() == 2
+    # A's log went backwards (its tier restored): A starts again, B's points and sync state stay
+    logs[OWNER_A].entries = logs[OWNER_A].entries[:1]
+    states[OWNER_A].pop(("alice", "m2"))
+    assert [hit.memory_id for hit in search(OWNER_A, 1)] == ["m1"]
+    assert indexes[OWNER_B].count() == 2 and {h.memory_id for h in search(OWNER_B, 1)} == {"m1", "m2"}
+
+
+def test_a_collection_prefix_and_an_api_key_reach_the_server(qdrant_server, monkeypatch):
+    monkeypatch.delenv("QDRANT_API_KEY", raising=False)
+    log, states = Log(), {("alice", "m1"): IndexedState(1, None, vec(0))}
+    log.add("alice", "m1")
+    team = _qdrant(OWNER_A, api_key="s3cret", collection_prefix="team-a")
+    assert team.search(vec(0), "alice", None, 5, log.read, _state_of(states))[0].memory_id == "m1"
+    assert qdrant_server.openings[-1] == {"url": "http://qdrant.test:6333", "api_key": "s3cret"}
+    names = {c.name for c in qdrant_server.instance.get_collections().collections}
+    assert names == {"team-a_memories", "team-a_sync_state"}
+    other = _qdrant(OWNER_A)  # the same store under the default prefix sees nothing of team-a's
+    assert other.search(vec(0), "alice", None, 5, Log().read, _state_of({})) == []
+    monkeypatch.setenv("QDRANT_API_KEY", "from-env")
+    _qdrant(OWNER_A).count()
+    assert qdrant_server.openings[-1]["api_key"] == "from-env"
+    assert "s3cret" not in repr(team.__dict__.get("location"))
+
+
+def test_qdrant_options_are_checked(tmp_path):
+    for bad in ("", "a/b", "x" * 65, "é", None):
+        with pytest.raises(InvalidInputError, match="collection_prefix"):
+            _qdrant(OWNER_A, collection_prefix=bad)
+    with pytest.raises(InvalidInputError, match="api_key"):
+        _qdrant(OWNER_A, api_key="line\nbreak")
+    for location in (":memory:", str(tmp_path / "index")):
+        with pytest.raises(InvalidInputError, match="Qdrant"):
+            open_index(location, 4, "test", api_key="k")
+        with pytest.raises(InvalidInputError, match="Qdrant"):
+            open_index(location, 4, "test", collection_prefix="team-a")
+
+
+def test_a_collection_from_before_points_named_their_store_is_rebuilt(qdrant_server):
+    from qdrant_client import models
+
+    server = qdrant_server.instance
+    server.create_collection(
+        "kvshift_memories",
+        vectors_config=models.VectorParams(size=4, distance=models.Distance.COSINE),
+        sparse_vectors_config={"keywords": models.SparseVectorParams(modifier=models.Modifier.IDF)},
+        metadata={"embedder": "test"},
+    )
+    server.upsert("kvshift_memories", points=[models.PointStruct(id=str(uuid.uuid4()), vector={"": vec(0)})])
+    log, states = Log(), {("alice", "m1"): IndexedState(1, None, vec(1))}
+    log.add("alice", "m1")
+    index = _qdrant(OWNER_A)
+    assert [hit.memory_id for hit in index.search(vec(1), "alice", None, 5, log.read, _state_of(states))] == ["m1"]
+    assert server.count("kvshift_memories").count == 1  # the old, unowned point went with its collection
+
+
+def test_every_process_of_a_store_shares_one_identity(tmp_path):
+    class Fixed:
+        dimension, name = 4, "fixed"
+
+        def embed(self, texts):
+            return [vec(0) for _ in texts]
+
+    first = MemoryStore(tmp_path / "s", embedder=Fixed(), index_url=":memory:")
+    second = MemoryStore(tmp_path / "s", embedder=Fixed(), index_url=":memory:")
+    assert first._store_id() == second._store_id() != MemoryStore(tmp_path / "t", embedder=Fixed())._store_id()
+    first.tier.set("store_id", b"../../not-an-id")
+    with pytest.raises(CorruptRecordError):
+        second._store_id()
+    with pytest.raises(InvalidInputError, match="Qdrant"):
+        MemoryStore(tmp_path / "u", embedder=Fixed(), index_api_key="k")

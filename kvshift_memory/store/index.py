@@ -35,12 +35,12 @@ import logging
 import math
 import os
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ..exceptions import StoreError
+from ..exceptions import InvalidInputError, StoreError
 from .keywords import sparse_terms
 from .log_follower import IndexedState, IndexHit, LogFollower, fresh_state, parse_state, point_id
 
@@ -49,6 +49,8 @@ if TYPE_CHECKING:
 
 __all__ = ["IndexHit", "IndexedState", "MemoryIndex", "open_index"]
 
+#: the start of a Qdrant index's collection names, unless a store gives its own
+DEFAULT_COLLECTION_PREFIX = "kvshift"
 _SNAPSHOT = "index.safetensors"
 # a sync that brings this many log entries writes the folder's snapshot again (close() always does)
 _SNAPSHOT_EVERY = 1024
@@ -57,18 +59,38 @@ logger = logging.getLogger("kvshift_memory.store")
 
 
 def open_index(
-    location: str | os.PathLike, dimension: int, embedder_name: str, *, lock_timeout_s: float = 30.0
+    location: str | os.PathLike,
+    dimension: int,
+    embedder_name: str,
+    *,
+    lock_timeout_s: float = 30.0,
+    owner: Callable[[], str] | None = None,
+    api_key: str | None = None,
+    collection_prefix: str = DEFAULT_COLLECTION_PREFIX,
 ) -> MemoryIndex | QdrantIndex:
     """The index for ``location``: ``http(s)://…`` a Qdrant server, else this process's (a folder or ``":memory:"``).
 
     :param lock_timeout_s: how long a thread waits for another's sync or search of the index.
-    :raises StoreError: the location cannot be used, or holds vectors of another embedder.
+    :param owner: the store's identity, asked for only by a Qdrant index (its points carry it).
+    :param api_key: the Qdrant server's API key; ``collection_prefix``: its collections' names' start.
+    :raises InvalidInputError: Qdrant options for an index that is not on a Qdrant server, or
+        malformed ones; ``StoreError``: the location cannot be used, or holds vectors of another embedder.
     """
     text = os.fspath(location)
     if text.startswith(("http://", "https://")):
         from .qdrant_index import QdrantIndex
 
-        return QdrantIndex(text, dimension, embedder_name, lock_timeout_s=lock_timeout_s)
+        return QdrantIndex(
+            text,
+            dimension,
+            embedder_name,
+            lock_timeout_s=lock_timeout_s,
+            owner=owner() if owner is not None else "",
+            api_key=api_key,
+            collection_prefix=collection_prefix,
+        )
+    if api_key is not None or collection_prefix != DEFAULT_COLLECTION_PREFIX:
+        raise InvalidInputError("an API key and a collection prefix are for an index on a Qdrant server (http(s)://…)")
     return MemoryIndex(text, dimension, embedder_name, lock_timeout_s=lock_timeout_s)
 
 

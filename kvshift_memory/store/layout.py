@@ -11,6 +11,7 @@ Layout (every key component percent-encoded; ``t`` tenant, ``m`` memory id):
 ``x/t/hash``         the memory id of a text hash (the design's second path: text -> fragment)
 ``ac/t/m``           access count; ``al/t/m``: last access time
 ``log``              the change log the index replays
+``store_id``         the store's identity in a shared Qdrant collection (made once, by compare-and-set)
 ===================  ====================================================================
 
 Everything read back here is untrusted: a head, embedding or blob that fails its checks parses to
@@ -34,6 +35,7 @@ from ..exceptions import CorruptFragmentError
 __all__ = [
     "LOG_KEY",
     "ORPHAN_GRACE_S",
+    "STORE_ID_KEY",
     "VARIANT",
     "WRITER",
     "blob_fingerprint",
@@ -49,6 +51,7 @@ __all__ = [
 ]
 
 LOG_KEY = "log"
+STORE_ID_KEY = "store_id"
 VARIANT = re.compile(r"[0-9a-f]{8,64}")
 WRITER = re.compile(r"[0-9a-f]{32}")
 # Data without a head younger than this may be an add in progress in another process.

@@ -118,7 +118,7 @@ class LogFollower(ABC):
                 self._apply(tenant, memory_id, state)
             # a memory added or changed while check() ran is in the log: it wins, and is no stray
             named = self._sync(read_log, state_of) | set(states)
-            wanted = {point_id(tenant, memory_id) for tenant, memory_id in named}
+            wanted = {self._point_id(tenant, memory_id) for tenant, memory_id in named}
             stray = [pid for pid in self._point_ids() if pid not in wanted]
             self._delete(stray)
             self._rebuilt()
@@ -192,8 +192,12 @@ class LogFollower(ABC):
             )
         return set(first_seen)
 
+    def _point_id(self, tenant: str, memory_id: str) -> str:
+        """The point of a memory in this index (an index shared by many stores names the store too)."""
+        return point_id(tenant, memory_id)
+
     def _apply(self, tenant: str, memory_id: str, state: IndexedState) -> None:
-        pid = point_id(tenant, memory_id)
+        pid = self._point_id(tenant, memory_id)
         if state.vector is None:
             self._delete([pid])
         else:

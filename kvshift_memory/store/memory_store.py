@@ -36,6 +36,7 @@ from .index import IndexedState, open_index
 from .keywords import keywords, memory_keywords
 from .layout import (
     LOG_KEY,
+    STORE_ID_KEY,
     VARIANT,
     WRITER,
     float_or_none,
@@ -79,6 +80,12 @@ class MemoryStore:
     :param lock_timeout_s: how long a write waits for the folder's lock while another process
         writes, and a search for the index while another thread replays it; past it,
         :class:`StoreBusyError` (nothing written).
+    :param index_api_key: the Qdrant server's API key (default: the ``QDRANT_API_KEY``
+        environment variable, when set); only with an ``http(s)://`` ``index_url``.
+    :param index_collection_prefix: the Qdrant collections' names start with it (default
+        ``kvshift``): stores that should not share a collection on one server take different
+        ones. Stores that share one still keep apart: each point carries its store's identity
+        (kept in the tier), every query and :meth:`check` see only this store's points.
     :param keyword_weight: how much the keyword path adds to a hit's score (a hit's ``score`` is
         its cosine similarity plus this times its IDF-weighted keyword overlap); ``0`` searches by
         embedding alone. The default comes from ``benchmarks/recall.py`` (``docs/benchmarks/locomo.md``).
@@ -97,6 +104,8 @@ class MemoryStore:
         hot_bytes: int = 256 << 20,
         lock_timeout_s: float = 30.0,
         keyword_weight: float = 0.05,
+        index_api_key: str | None = None,
+        index_collection_prefix: str = "kvshift",
     ) -> None:
         if path is None and kv_url is None:
             raise InvalidInputError("give a folder (MemoryStore(path)) or a kv_url")
@@ -133,7 +142,13 @@ class MemoryStore:
         self.embedder = embedder
         location = index_url if index_url is not None else (Path(path) / "index" if path is not None else ":memory:")
         self.index = open_index(
-            location, int(embedder.dimension), str(embedder.name), lock_timeout_s=float(lock_timeout_s)
+            location,
+            int(embedder.dimension),
+            str(embedder.name),
+            lock_timeout_s=float(lock_timeout_s),
+            owner=self._store_id,
+            api_key=index_api_key,
+            collection_prefix=index_collection_prefix,
         )
         self.corrupt_fragments = 0
 
@@ -424,6 +439,19 @@ class MemoryStore:
         return tier_key("f", record.tenant, record.id, record.version, variant)
 
     # ---------------------------------------------------------------- internals
+
+    def _store_id(self) -> str:
+        """This store's identity: made by the first process to ask, kept in the tier, so every
+        process of the store shares it.
+
+        :raises CorruptRecordError: the tier holds a malformed identity (nothing is guessed: a
+            wrong one would make this store's points another's).
+        """
+        self.tier.compare_and_set(STORE_ID_KEY, None, uuid.uuid4().hex.encode())
+        raw = self.tier.get(STORE_ID_KEY) or b""
+        if not re.fullmatch(rb"[0-9a-f]{32}", raw):
+            raise CorruptRecordError(f"the store's identity ({STORE_ID_KEY!r} in its tier) is damaged: {raw[:64]!r}")
+        return raw.decode("ascii")
 
     @staticmethod
     def _ids(tenant: Any, session_id: Any) -> tuple[str, str | None]:
