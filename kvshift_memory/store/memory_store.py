@@ -24,6 +24,7 @@ from typing import Any
 
 from .. import inputs
 from ..blobs import check_codec
+from ..embedding import MiniLMEmbedder, as_embedder
 from ..exceptions import (
     CorruptRecordError,
     InvalidInputError,
@@ -73,7 +74,9 @@ class MemoryStore:
     :param path: folder of the embedded store (``path/kv`` and ``path/index``).
     :param kv_url: ``memory://``, ``redis://…``, a folder or ``file://…`` (default ``path/kv``).
     :param index_url: a folder, ``http(s)://…`` or ``":memory:"`` (default ``path/index``).
-    :param embedder: text -> vector (default: the bundled all-MiniLM-L6-v2, loaded on first use).
+    :param embedder: text -> vector: an object with ``name``, ``dimension`` and ``embed(texts)``,
+        or a LangChain ``Embeddings`` / LlamaIndex ``BaseEmbedding`` (memories embedded as
+        documents, searches as queries); default the bundled all-MiniLM-L6-v2, loaded on first use.
     :param codec: how fragments are stored: ``int8`` (default, ``docs/benchmarks/store.md``),
         ``int4``, ``fp16`` or ``fp32``; ``group_size`` is int4's.
     :param hot_bytes: bound on the fragment blobs this process keeps in RAM in front of the tier.
@@ -136,15 +139,13 @@ class MemoryStore:
         self.tier: KVTier = open_tier(tier_location, lock_timeout_s=float(lock_timeout_s))
         self._hot = HotTier(hot_bytes)
         if embedder is None:
-            from ..embedding import MiniLMEmbedder  # torch-backed, so only when no embedder is given
-
-            embedder = MiniLMEmbedder()
-        self.embedder = embedder
+            embedder = MiniLMEmbedder()  # loads its weights (and torch) only when it first embeds
+        self.embedder = as_embedder(embedder)
         location = index_url if index_url is not None else (Path(path) / "index" if path is not None else ":memory:")
         self.index = open_index(
             location,
-            int(embedder.dimension),
-            str(embedder.name),
+            int(self.embedder.dimension),
+            str(self.embedder.name),
             lock_timeout_s=float(lock_timeout_s),
             owner=self._store_id,
             api_key=index_api_key,
@@ -213,7 +214,8 @@ class MemoryStore:
         k = inputs.check_positive_int(k, "k")
         if k > MAX_SEARCH_K:
             raise InvalidInputError(f"k must be at most {MAX_SEARCH_K}, got {k}")
-        vector = self.embedder.embed([query])[0]
+        embed_query = getattr(self.embedder, "embed_query", None)
+        vector = embed_query(query) if callable(embed_query) else self.embedder.embed([query])[0]
         # a few extra candidates: expired memories stay indexed until gc() and are skipped here
         hits = self.index.search(
             vector,
