@@ -108,7 +108,9 @@ def to_engine_messages(
 
     System messages are joined into one leading system message (the engine's chat template has
     one place for it), in order; human, AI and chat messages with those roles keep their order.
-    An AI message's tool calls are written after its text as the model writes them, and tool
+    An AI message's ``response_metadata["token_ids"]`` (what ChatKVShift generated) go along: the
+    engine reads the reply as those ids when they read back as its text, so the next turn reuses
+    all of it. An AI message's tool calls are written after its text as the model writes them, and tool
     results become user turns (:mod:`langchain_kvshift.tool_calls`); consecutive results share one.
     With ``store`` and ``user_id``, a human message's markers that name this user's memories
     bring their fragments along (:func:`~kvshift_memory.adapters.marked_user_message`); every
@@ -136,7 +138,13 @@ def to_engine_messages(
         else:
             calls = message.tool_calls if isinstance(message, AIMessage) else []
             content = "\n".join(part for part in (strip_markers(text), format_tool_calls(calls)) if part)
-            turns.append({"role": "assistant", "content": content})
+            turn: dict[str, Any] = {"role": "assistant", "content": content}
+            reply_ids = message.response_metadata.get("token_ids") if isinstance(message, AIMessage) else None
+            if not calls and isinstance(reply_ids, list) and all(isinstance(i, int) for i in reply_ids):
+                # the ids the model generated: the engine takes them when they read back as the text
+                # (a reply the tokenizer would split differently is then still this prompt's prefix)
+                turn["token_ids"] = reply_ids
+            turns.append(turn)
     return ([{"role": "system", "content": "\n\n".join(system)}] if system else []) + turns
 
 
@@ -165,9 +173,11 @@ class ChatKVShift(BaseChatModel):
     :param reuse: ``"none"``, ``"prefix"``, ``"blend"`` or ``None`` (the engine's choice).
     :param repetition_penalty: above 1, tokens the answer already holds are made less likely;
         ``None``: 1.1 for structured output and tool calls (a loop would never close the JSON), 1 otherwise.
-    :param recompute_ratio: the blend's share of memory tokens recomputed; 0 (shift only, the
-        fastest, and it changes some answers: docs/benchmarks/writeback.md), ``None`` for the
-        engine's default. ``reuse="prefix"`` answers as full recompute does, as ``AgentMemory`` does.
+    :param recompute_ratio: the blend's share of memory tokens recomputed; ``None`` (default) the
+        engine's blend, which recomputes short memories next to the question whole (answers as
+        full recompute's where the recalled memories sit in front of the latest message, as the
+        memories and the middleware put them); 0 shifts memories in without repair: the fastest,
+        and it changes some answers (docs/benchmarks/writeback.md).
     :param store: with ``user_id`` (and ``session_id``), memory markers in human messages that
         name this user's memories resolve to them and bring their stored K/V (``docs/how-it-works.md``); without
         a store every marker is plain text. Markers are never shown to the model.
@@ -186,7 +196,7 @@ class ChatKVShift(BaseChatModel):
     seed: int | None = None
     stop: list[str] | None = None
     reuse: str | None = None
-    recompute_ratio: float | None = 0.0
+    recompute_ratio: float | None = None
     repetition_penalty: float | None = None
     streaming: bool = False
     store: MemoryStore | None = Field(default=None, exclude=True)
@@ -349,6 +359,7 @@ class ChatKVShift(BaseChatModel):
             "model_name": self.model_name,
             "finish_reason": "tool_calls" if calls else result.finish_reason,
             "reuse_stats": dataclasses.asdict(stats),
+            "token_ids": list(result.token_ids),
         }
         return AIMessage(content=text, tool_calls=calls, usage_metadata=usage, response_metadata=metadata)
 

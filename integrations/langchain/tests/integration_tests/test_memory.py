@@ -72,7 +72,10 @@ def _spy_prompts(monkeypatch, llm: ChatKVShift) -> list:
 
 def test_a_conversation_chain_reads_most_of_each_prompt_from_the_cache(store, monkeypatch):
     usage = _Usage()
-    chain, llm = _chain(store, callbacks=[usage])
+    # shift-only placement, so the share read from the cache measures the prompt's stability (each
+    # prompt starts with the last); the default also recomputes the newly recalled short memories
+    # whole, which it counts as computed (turn 2: 79 %, turns 3-6: 82-87 %)
+    chain, llm = _chain(store, callbacks=[usage], recompute_ratio=0.0)
     prompts = _spy_prompts(monkeypatch, llm)
     for question in QUESTIONS:
         chain.invoke({"input": question})

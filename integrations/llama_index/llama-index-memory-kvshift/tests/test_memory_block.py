@@ -27,20 +27,20 @@ def store(tmp_path):
         yield store
 
 
-def _memory(store, tmp_path, session_id: str) -> Memory:
+def _memory(store, tmp_path, session_id: str, user: str = "alice") -> Memory:
     """A fresh ``Memory`` over the chat database in ``tmp_path``, as a new process would build it."""
     return Memory.from_defaults(
         session_id=session_id,
         token_limit=4000,
-        memory_blocks=[KVShiftMemoryBlock(store=store, user_id="alice")],
+        memory_blocks=[KVShiftMemoryBlock(store=store, user_id=user)],
         insert_method="user",
         async_database_uri=f"sqlite+aiosqlite:///{tmp_path / 'chat.db'}",
     )
 
 
-def _llm(store) -> tuple[KVShiftLLM, list[tuple[list[ChatMessage], dict]]]:
-    """An LLM resolving ``alice``'s markers, and each chat call's messages and reuse stats."""
-    llm = KVShiftLLM(max_tokens=24, store=store, user_id="alice")
+def _llm(store, user: str = "alice", **options) -> tuple[KVShiftLLM, list[tuple[list[ChatMessage], dict]]]:
+    """An LLM resolving ``user``'s markers, and each chat call's messages and reuse stats."""
+    llm = KVShiftLLM(max_tokens=24, store=store, user_id=user, **options)
     calls: list[tuple[list[ChatMessage], dict]] = []
     original = llm.chat
 
@@ -54,7 +54,7 @@ def _llm(store) -> tuple[KVShiftLLM, list[tuple[list[ChatMessage], dict]]]:
 
 
 def test_a_chat_engine_recalls_a_fact_from_an_earlier_session_from_its_fragment(store, tmp_path):
-    llm, calls = _llm(store)
+    llm, calls = _llm(store, recompute_ratio=0.0)  # shift-only: the stored fragment is placed as it is
     monday = SimpleChatEngine.from_defaults(llm=llm, memory=_memory(store, tmp_path, "monday"))
     monday.chat(FACT)
     monday.chat("I am also learning to play the cello this winter.")
@@ -142,3 +142,29 @@ def test_bad_input_is_refused_and_empty_input_recalls_nothing(store):
         asyncio.run(KVShiftMemoryBlock(store=store, user_id="alice ").aget([ChatMessage(role="user", content="hi")]))
     with pytest.raises(ValueError):
         KVShiftMemoryBlock(store=store, user_id="alice", recall_k=0)
+
+
+def test_with_the_default_settings_the_recalled_fact_answers_as_full_recompute(store, tmp_path):
+    # another user than the tests before: the engine's cache of their prompts (in the shift-only
+    # placement) is theirs, and this conversation starts from nothing
+    llm, calls = _llm(store, user="dora")
+    SimpleChatEngine.from_defaults(llm=llm, memory=_memory(store, tmp_path, "monday", "dora")).chat(FACT)
+    tuesday = _memory(store, tmp_path, "tuesday", "dora")
+    answer = SimpleChatEngine.from_defaults(llm=llm, memory=tuesday).chat(QUESTION)
+    messages, stats = calls[-1]
+    print(
+        {
+            k: stats[k]
+            for k in (
+                "prompt_tokens",
+                "reused_tokens",
+                "recomputed_tokens",
+                "fragments_hit",
+                "fragments_missed",
+                "fragments_recomputed",
+            )
+        }
+    )
+    assert stats["fragments_recomputed"] == 1  # the marker resolved to the memory, recomputed next to the question
+    recompute = KVShiftLLM(max_tokens=24, store=store, user_id="dora", reuse="none")
+    assert answer.response == recompute.chat(messages).message.content

@@ -73,10 +73,11 @@ class KVShiftLLM(CustomLLM):
         SmolLM2-135M-Instruct. The process shares one engine per model, loaded on first use.
     :param max_tokens: most tokens generated per call; ``temperature`` 0 decodes greedily.
     :param reuse: ``"none"``, ``"prefix"``, ``"blend"`` or ``None`` (the engine's choice).
-    :param recompute_ratio: the blend's share of memory tokens recomputed; 0 (shift only, the
-        fastest, and it changes some answers: docs/benchmarks/writeback.md), ``None`` for the
-        engine's default. ``reuse="prefix"`` answers as full recompute does, as
-        :class:`~kvshift_memory.AgentMemory` does.
+    :param recompute_ratio: the blend's share of memory tokens recomputed; ``None`` (default) the
+        engine's blend, which recomputes short memories next to the question whole (answers as
+        full recompute's where the recalled memories sit in front of the latest message, as the
+        memories and the middleware put them); 0 shifts memories in without repair: the fastest,
+        and it changes some answers (docs/benchmarks/writeback.md).
     :param store: with ``user_id`` (and ``session_id``), memory markers in user messages that name
         this user's memories resolve to them and bring their stored K/V; without a store every
         marker is plain text. Markers are never shown to the model.
@@ -95,7 +96,7 @@ class KVShiftLLM(CustomLLM):
     max_tokens: int = Field(default=256, gt=0)
     temperature: float = Field(default=0.0, ge=0.0)
     reuse: str | None = None
-    recompute_ratio: float | None = 0.0
+    recompute_ratio: float | None = None
     store: MemoryStore | None = Field(default=None, exclude=True)
     user_id: str | None = None
     session_id: str | None = None
