@@ -12,37 +12,41 @@
 # ---
 
 # %% [markdown]
-# # LlamaIndex: a chat engine whose memory brings its K/V along
+# # LlamaIndex: a chat engine whose long-term memory brings its K/V along
 #
-# `KVShiftLLM` is a LlamaIndex LLM over the engine; `KVShiftMemory` is the chat engine's memory:
-# a window of recent turns, plus the user's memories each new message recalls from the store.
-# After each reply the user's message is archived (when the write-back rule keeps it) and its
-# K/V fragment encoded; a later turn that recalls it places the fragment instead of reading it.
+# `KVShiftLLM` is a LlamaIndex LLM over the engine; `KVShiftMemoryBlock` is a memory block of
+# LlamaIndex's `Memory`: for each new user message it recalls the user's memories from every
+# earlier session (in span markers, which `KVShiftLLM` resolves to the memories' stored K/V) and
+# writes the message back when the write-back rule keeps it. `insert_method="user"` puts the
+# recalled memories into the latest user message, so every earlier message of the prompt stays as
+# it was and each turn reuses the previous one's cache. The conversation itself lives in
+# `Memory`'s chat store (SQLite here, a file that survives a restart).
 #
-# The window here is small (160 tokens), so the first turn has left it by the fifth and has to
-# come back from the store.
+# On Monday Alice tells the assistant about her sister; on Tuesday, in a new session, she asks.
 
 # %%
 import tempfile
+from pathlib import Path
 
 import torch
 from llama_index.core.chat_engine import SimpleChatEngine
 from llama_index.core.instrumentation import get_dispatcher
 from llama_index.core.instrumentation.event_handlers import BaseEventHandler
 from llama_index.core.instrumentation.events.llm import LLMChatEndEvent
+from llama_index.core.memory import Memory
 from tqdm.auto import tqdm
 
 from kvshift_memory import MemoryStore
 from llama_index.llms.kvshift import KVShiftLLM
-from llama_index.memory.kvshift import KVShiftMemory
+from llama_index.memory.kvshift import KVShiftMemoryBlock
 
 torch.set_num_threads(min(2, torch.get_num_threads()))
-TURNS = [
-    "My sister Ana lives in Porto and she is allergic to peanuts.",
-    "I am also learning to play the cello this winter.",
-    "Tell me one thing about the weather in Lisbon in March.",
-    "Which bus should I take to get from the airport to the centre?",
-    "Where does my sister live, and what is she allergic to?",
+TURNS = [  # (session, message)
+    ("monday", "My sister Ana lives in Porto and she is allergic to peanuts."),
+    ("monday", "I am also learning to play the cello this winter."),
+    ("monday", "Tell me one thing about the weather in Lisbon in March."),
+    ("tuesday", "Where does my sister live?"),
+    ("tuesday", "And what is my sister allergic to?"),
 ]
 
 
@@ -50,6 +54,7 @@ class ReuseStats(BaseEventHandler):
     """Keeps the engine's stats of each chat call (KVShiftLLM puts them in the response's raw)."""
 
     calls: list = []
+    messages: list = []  # what each call sent the model
 
     @classmethod
     def class_name(cls) -> str:
@@ -58,29 +63,49 @@ class ReuseStats(BaseEventHandler):
     def handle(self, event, **kwargs) -> None:
         if isinstance(event, LLMChatEndEvent) and event.response is not None:
             self.calls.append(event.response.raw["reuse_stats"])
+            self.messages.append(event.messages)
 
 
 stats = ReuseStats()
 get_dispatcher().add_event_handler(stats)
 
 # %%
-store = MemoryStore(tempfile.mkdtemp())
+folder = Path(tempfile.mkdtemp())
+store = MemoryStore(folder / "memories")
 llm = KVShiftLLM(max_tokens=32, store=store, user_id="alice")
-memory = KVShiftMemory.from_defaults(store=store, user_id="alice", session_id="winter", token_limit=160)
-chat = SimpleChatEngine.from_defaults(llm=llm, memory=memory, system_prompt="You are a brief assistant.")
-for turn in tqdm(TURNS, desc="turns", leave=False):
-    print(f"> {turn}\n  {chat.chat(turn).response.strip()[:120]}")
+engines = {}
+for session, message in tqdm(TURNS, desc="turns", leave=False):
+    if session not in engines:  # a new session: a new Memory over the same chat database
+        memory = Memory.from_defaults(
+            session_id=session,
+            token_limit=4000,
+            memory_blocks=[KVShiftMemoryBlock(store=store, user_id="alice")],
+            insert_method="user",
+            async_database_uri=f"sqlite+aiosqlite:///{folder / 'chats.db'}",
+        )
+        engines[session] = SimpleChatEngine.from_defaults(
+            llm=llm, memory=memory, system_prompt="You are a brief assistant."
+        )
+    print(f"[{session}] > {message}\n  {engines[session].chat(message).response.strip()[:120]}")
 
 # %% [markdown]
-# Per turn: the prompt, how much came from the cache (the previous turns, and recalled memories'
-# fragments), and the memories placed from a stored fragment. The fifth turn recalls the first.
+# Per turn: the prompt, how much came from the cache, the recalled memories the model read, how
+# many of them came as stored fragments, and the time to the first token. Tuesday's turns recall
+# what Alice said on Monday. By default a short memory next to the question is recomputed with it
+# from its text, so the answer is full recompute's while the earlier turns come from the cache;
+# `KVShiftLLM(recompute_ratio=0)` places the stored fragment as it is (the fastest, and it can
+# change an answer).
 
 # %%
-print(f"{'turn':>4} {'prompt':>6} {'from cache':>11} {'fragments hit':>13} {'TTFT':>7}")
+print(f"{'turn':>4} {'prompt':>6} {'from cache':>11} {'memories':>8} {'as fragments':>12} {'TTFT':>7}")
 for turn, s in enumerate(stats.calls, start=1):
+    memories = s["fragments_hit"] + s["fragments_missed"] + s["fragments_recomputed"]
     print(
-        f"{turn:>4} {s['prompt_tokens']:>6} {s['reused_tokens'] / s['prompt_tokens']:>10.0%} {s['fragments_hit']:>13} {s['ttft_s'] * 1000:>5.0f}ms"
+        f"{turn:>4} {s['prompt_tokens']:>6} {s['reused_tokens'] / s['prompt_tokens']:>10.0%} "
+        f"{memories:>8} {s['fragments_hit']:>12} {s['ttft_s'] * 1000:>5.0f}ms"
     )
-print("\nthe fifth message, as the memory renders it (markers are resolved by KVShiftLLM, never read):")
-print(memory.get()[-2].content)
+print(
+    "\nTuesday's last message as the model was sent it (KVShiftLLM resolves the markers, the model never reads them):"
+)
+print(stats.messages[-1][-1].content)
 store.close()
