@@ -168,3 +168,15 @@ def test_with_the_default_settings_the_recalled_fact_answers_as_full_recompute(s
     assert stats["fragments_recomputed"] == 1  # the marker resolved to the memory, recomputed next to the question
     recompute = KVShiftLLM(max_tokens=24, store=store, user_id="dora", reuse="none")
     assert answer.response == recompute.chat(messages).message.content
+
+
+def test_the_decisions_a_block_keeps_are_bounded(store, monkeypatch):
+    import llama_index.memory.kvshift.block as block_module
+
+    monkeypatch.setattr(block_module, "_MAX_DECISIONS", 2)
+    block = KVShiftMemoryBlock(store=store, user_id="alice")
+    for text in ("I like green tea.", "My cat is called Miso.", "I live in Lisbon."):
+        asyncio.run(block.aget([ChatMessage(role="user", content=text)]))
+    assert len(block._decisions) == 2
+    asyncio.run(block.aget([ChatMessage(role="user", content="I like green tea.")]))  # forgotten: judged again
+    assert [r.text for r in store.search("green tea", tenant="alice", k=5)].count("I like green tea.") == 1

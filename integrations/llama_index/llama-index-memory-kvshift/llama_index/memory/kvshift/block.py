@@ -42,6 +42,9 @@ __all__ = ["KVShiftMemoryBlock"]
 
 # rough characters per token, to size a truncation without the caller's tokenizer
 _CHARS_PER_TOKEN = 4
+# write-back decisions kept, oldest forgotten first (a forgotten one is judged again, harmlessly:
+# a stored text is not stored twice, and a request to forget is never carried out on a flush)
+_MAX_DECISIONS = 4096
 
 
 class KVShiftMemoryBlock(BaseMemoryBlock[str]):
@@ -156,6 +159,8 @@ class KVShiftMemoryBlock(BaseMemoryBlock[str]):
         )
         with self._lock:
             self._decisions[key] = decision
+            while len(self._decisions) > _MAX_DECISIONS:
+                del self._decisions[next(iter(self._decisions))]
 
     def _stored(self, text: str) -> bool:
         if not text.strip():
