@@ -55,3 +55,24 @@ def test_models_packing_does_not_apply_to_are_left_as_loaded(tokenizer, caplog):
     with caplog.at_level("INFO", logger="kvshift_memory"):
         assert pack_linear_layers(model) == 0
     assert "float32" in caplog.text and not any(isinstance(m, PackedLinear) for m in model.modules())
+
+
+def test_engines_loaded_from_the_same_files_share_their_packed_weights(tmp_path, tokenizer):
+    import os
+
+    tiny_model(TINY_CONFIGS["llama"]()).save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    first, second = KVShiftEngine.from_pretrained(tmp_path), KVShiftEngine.from_pretrained(tmp_path)
+    packed = [(a.weight, b.weight) for a, b in zip(_packed(first), _packed(second), strict=True)]
+    assert packed and all(a is b for a, b in packed)  # one copy, packed once
+    assert first.generate("hi", max_new_tokens=4).text == second.generate("hi", max_new_tokens=4).text
+    for weights in tmp_path.glob("*.safetensors"):  # the files written again: other weights, packed anew
+        os.utime(weights, ns=(weights.stat().st_atime_ns, weights.stat().st_mtime_ns + 1_000_000))
+    third = KVShiftEngine.from_pretrained(tmp_path)
+    assert all(a.weight is not c.weight for a, c in zip(_packed(first), _packed(third), strict=True))
+    unshared = KVShiftEngine(tiny_model(TINY_CONFIGS["llama"]()), tokenizer)  # given a model: nothing shared
+    assert all(a.weight is not u.weight for a, u in zip(_packed(first), _packed(unshared), strict=True))
+
+
+def _packed(engine: KVShiftEngine) -> list[PackedLinear]:
+    return [m for m in engine.model.modules() if isinstance(m, PackedLinear)]

@@ -33,7 +33,7 @@ from .fingerprint import model_fingerprint
 from .fragments import FragmentCache
 from .grammar import Grammar, GrammarMatcher, grammar_tokenizer
 from .loading import load_model, resolve_device, resolve_dtype
-from .packing import pack_linear_layers
+from .packing import pack_linear_layers, sharing
 from .planning import Planner, PreparedPrompt, PromptPlan
 from .prefix_cache import PrefixCache
 from .prompt import FragmentSpan, PromptLayout, TokenMemo
@@ -162,7 +162,8 @@ class KVShiftEngine:
         if device_map is not None:
             passed["device_map"] = device_map
         loaded = load_model(name_or_path, resolve_dtype(dtype), resolve_device(device), **passed)
-        return cls(loaded.model, loaded.tokenizer, fingerprint=loaded.fingerprint, settings=settings, **overrides)
+        with sharing(loaded.weights):
+            return cls(loaded.model, loaded.tokenizer, fingerprint=loaded.fingerprint, settings=settings, **overrides)
 
     @classmethod
     def shared(cls, name_or_path: str | os.PathLike | None = None) -> KVShiftEngine:

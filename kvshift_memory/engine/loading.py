@@ -53,6 +53,9 @@ class LoadedModel:
     tokenizer: object
     source: str
     fingerprint: str
+    #: the weight files' identity (folder, names, sizes, modification times, how they were loaded),
+    #: under which engines of one process share packed weights; ``None`` for weights from a hub id
+    weights: tuple | None = None
 
 
 def kvshift_home() -> Path:
@@ -258,4 +261,19 @@ def load_model(
     except (ValueError, RuntimeError, KeyError, TypeError) as exc:
         raise ModelLoadError(f"could not load {str(source)!r}: {exc}") from exc
     model.eval()
-    return LoadedModel(model, tokenizer, str(source), model_fingerprint(model, tokenizer))
+    return LoadedModel(
+        model, tokenizer, str(source), model_fingerprint(model, tokenizer), _weights_identity(source, dtype, hf_kwargs)
+    )
+
+
+def _weights_identity(source: str | os.PathLike[str], dtype: Any, hf_kwargs: dict[str, Any]) -> tuple | None:
+    """What names the weights loaded from ``source``: a local folder's safetensors files (their
+    sizes and modification times: a file written again is new weights), and how they were loaded."""
+    folder = Path(source)
+    if not folder.is_dir():
+        return None
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        return None
+    stats = tuple((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files)
+    return (str(folder.resolve()), stats, str(dtype), repr(sorted(hf_kwargs.items())))

@@ -10,23 +10,50 @@ own compiler uses.
 Packing is checked once against ``torch.nn.functional.linear`` and skipped (the model left as
 loaded) where those operators are missing, the model is not on the CPU or not in float32, or the
 results disagree.
+
+Packed weights are never written, so engines loaded from the same weight files in one process
+share them (:func:`sharing`): a notebook cell that loads the model again, or a second engine with
+other settings, neither packs again nor holds a second copy.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import threading
+import weakref
+from collections.abc import Hashable, Iterator
+from contextvars import ContextVar
 
 import torch
 import torch.nn.functional as F
 
 from .fingerprint import weight_sample
 
-__all__ = ["PackedLinear", "pack_linear_layers"]
+__all__ = ["PackedLinear", "pack_linear_layers", "sharing"]
 
 log = logging.getLogger("kvshift_memory")
 
 # packed and plain float32 differ only in summation order
 _AGREEMENT = 1e-4
+
+# the identity of the weight files the model being packed was loaded from (``None``: not shared)
+_WEIGHTS: ContextVar[Hashable | None] = ContextVar("kvshift_packed_weights", default=None)
+# packed weights by (weight files, layer name), held only while an engine uses them
+_PACKED: weakref.WeakValueDictionary[tuple[Hashable, str], torch.Tensor] = weakref.WeakValueDictionary()
+_PACKED_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def sharing(weights: Hashable | None) -> Iterator[None]:
+    """Within this block, :func:`pack_linear_layers` shares packed weights with every live engine
+    loaded from the same weight files: ``weights`` names them (folder, file sizes and times,
+    dtype); ``None`` shares nothing."""
+    token = _WEIGHTS.set(weights)
+    try:
+        yield
+    finally:
+        _WEIGHTS.reset(token)
 
 
 class PackedLinear(torch.nn.Module):
@@ -38,13 +65,13 @@ class PackedLinear(torch.nn.Module):
     of the dense weight.
     """
 
-    def __init__(self, linear: torch.nn.Linear) -> None:
+    def __init__(self, linear: torch.nn.Linear, packed: torch.Tensor | None = None) -> None:
         super().__init__()
         self.in_features = linear.in_features
         self.out_features = linear.out_features
         dense = linear.weight.detach()
         self.weight_digest = (tuple(dense.shape), dense.dtype, weight_sample(dense))
-        self.weight = torch.ops.mkldnn._reorder_linear_weight(dense)
+        self.weight = packed if packed is not None else torch.ops.mkldnn._reorder_linear_weight(dense)
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -90,8 +117,17 @@ def pack_linear_layers(model: torch.nn.Module) -> int:
     if reason is not None:
         log.info("linear layers left unpacked: %s", reason)
         return 0
+    weights = _WEIGHTS.get()
     for name, linear in linears:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, PackedLinear(linear))
+        with _PACKED_LOCK:
+            shared = _PACKED.get((weights, name)) if weights is not None else None
+        if shared is not None and tuple(shared.shape) != tuple(linear.weight.shape):
+            shared = None
+        packed = PackedLinear(linear, shared)
+        if weights is not None and shared is None:
+            with _PACKED_LOCK:
+                _PACKED[(weights, name)] = packed.weight
+        setattr(parent, child, packed)
     return len(linears)
