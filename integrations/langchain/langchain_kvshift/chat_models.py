@@ -140,12 +140,20 @@ def to_engine_messages(
             content = "\n".join(part for part in (strip_markers(text), format_tool_calls(calls)) if part)
             turn: dict[str, Any] = {"role": "assistant", "content": content}
             reply_ids = message.response_metadata.get("token_ids") if isinstance(message, AIMessage) else None
-            if not calls and isinstance(reply_ids, list) and all(isinstance(i, int) for i in reply_ids):
+            if not calls and _plausible_ids(reply_ids, content):
                 # the ids the model generated: the engine takes them when they read back as the text
-                # (a reply the tokenizer would split differently is then still this prompt's prefix)
+                # (a reply the tokenizer would split differently is then still this prompt's prefix);
+                # anything else there is ignored, never an error that loses the turn
                 turn["token_ids"] = reply_ids
             turns.append(turn)
     return ([{"role": "system", "content": "\n\n".join(system)}] if system else []) + turns
+
+
+def _plausible_ids(ids: Any, content: str) -> bool:
+    """Whether ``ids`` could be a reply's token ids: non-negative ints, no more than its text could hold."""
+    return (
+        isinstance(ids, list) and 0 < len(ids) <= 4 * len(content) + 16 and all(type(i) is int and i >= 0 for i in ids)
+    )
 
 
 def _with_system_text(messages: list[dict[str, Any]], text: str) -> list[dict[str, Any]]:

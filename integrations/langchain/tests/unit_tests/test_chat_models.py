@@ -182,3 +182,13 @@ def test_settings_round_trip_through_langchain_serialisation():
     llm = ChatKVShift(max_tokens=12, temperature=0.3, seed=4, user_id="alice", stop=["\n"])
     loaded = load(dumpd(llm), valid_namespaces=["langchain_kvshift"], allowed_objects=[ChatKVShift])
     assert isinstance(loaded, ChatKVShift) and loaded._identifying_params == llm._identifying_params
+
+
+def test_reply_token_ids_go_along_only_when_they_could_be_ids():
+    def sent(ids):
+        message = AIMessage("Porto.", response_metadata={"token_ids": ids})
+        return chat_models.to_engine_messages([HumanMessage("Where?"), message])[1].get("token_ids")
+
+    assert sent([52, 1093, 30]) == [52, 1093, 30]  # the engine still checks they read back as the text
+    for forged in ([-1], [True, 2], ["52"], [1.0], list(range(100)), [], "52", None, {"a": 1}):
+        assert sent(forged) is None, forged
