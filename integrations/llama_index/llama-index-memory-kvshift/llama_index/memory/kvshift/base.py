@@ -224,6 +224,7 @@ class KVShiftMemory(BaseMemory):
         if self._restored:
             return
         self._restored = True
+        last_user: _Entry | None = None  # the user message an assistant's reply answers
         for stored in self.chat_store.get_messages(self._key):
             if not isinstance(stored, ChatMessage):
                 continue
@@ -234,10 +235,11 @@ class KVShiftMemory(BaseMemory):
                 written_back=True,
             )
             entry.tokens = self._count(self._rendered(entry).content or "")
-            archived = self._records([stored.additional_kwargs.get(_ARCHIVED)])
-            users = [e for e in self._entries if e.message.role == MessageRole.USER]
-            if archived and users and stored.role == MessageRole.ASSISTANT:
-                users[-1].archived = archived[0]
+            if stored.role == MessageRole.USER:
+                last_user = entry
+            elif stored.role == MessageRole.ASSISTANT and last_user is not None:
+                archived = self._records([stored.additional_kwargs.get(_ARCHIVED)])
+                last_user.archived = archived[0] if archived else last_user.archived
             self._entries.append(entry)
 
     def _records(self, references: Any) -> list[MemoryRecord]:
