@@ -19,7 +19,7 @@ Recall and archive:
 
 Items (a key-value store's contract over the memory store, for LangGraph's ``BaseStore``):
 :class:`Item`, :func:`put_item`, :func:`get_item`, :func:`delete_item`, :func:`item_of` (a
-search hit's item), :func:`list_items`.
+search hit's item), :func:`list_items`, :func:`item_tenants`.
 
 Span markers (``⟦mem:ID@VERSION⟧text⟦/mem⟧``, how a memory travels through a framework's flat
 prompt text; ``docs/how-it-works.md``): :func:`render_marker`, :func:`render_memories`, :func:`marked_user_message`,
@@ -44,7 +44,7 @@ from .markers import (
 )
 from .protocols import Engine, Store
 from .shipped import context_window
-from .store.items import Item, delete_item, get_item, item_of, list_items, put_item
+from .store.items import Item, delete_item, get_item, item_of, item_tenants, list_items, put_item
 
 __all__ = [
     "FEATURES",
@@ -62,6 +62,7 @@ __all__ = [
     "forget_closest",
     "get_item",
     "item_of",
+    "item_tenants",
     "last_sentence",
     "list_items",
     "marked_user_message",

@@ -7,6 +7,8 @@ int8 layout, so a child starts in a fraction of a second and 50 of them fit in a
     python store_worker.py add-and-read KV_URL TENANT COUNT   # prints a JSON report
     python store_worker.py search-forever KV_URL TENANT        # searches every 0.3 s until killed
     python store_worker.py supersede-race KV_URL TENANT MEMORY_ID COUNT NAME START  # prints a JSON report
+    python store_worker.py add-skewed KV_URL TENANT COUNT SKEW_S  # adds with time.time() SKEW_S behind; prints ids
+    python store_worker.py item-churn KV_URL TENANT    # puts and deletes items until killed
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import uuid
 import numpy as np
 from safetensors.numpy import save
 
+from kvshift_memory.adapters import delete_item, put_item
 from kvshift_memory.blobs import CHECKSUM_KEY, blob_checksum
 from kvshift_memory.exceptions import VersionConflictError
 from kvshift_memory.store import MemoryStore
@@ -75,6 +78,9 @@ VARIANT = "ab" * 16
 
 def main() -> None:
     command, kv_url, tenant = sys.argv[1:4]
+    if command == "add-skewed":  # this process's own clock runs behind every other's
+        real_time, skew = time.time, float(sys.argv[5])
+        time.time = lambda: real_time() - skew
     if kv_url.startswith("file://"):  # the embedded default: diskcache + a local Qdrant folder
         store = MemoryStore(kv_url.removeprefix("file://"), embedder=HashEmbedder())
     else:
@@ -119,6 +125,20 @@ def main() -> None:
             except VersionConflictError:
                 outcomes.append({"text": text, "version": None})
         print(json.dumps(outcomes), flush=True)
+    if command == "add-skewed":
+        for index in range(int(sys.argv[4])):
+            record = store.add(f"{tenant} skewed memory {index} {uuid.uuid4().hex}", tenant=tenant)
+            print(json.dumps({"id": record.id, "text": record.text}), flush=True)
+    if command == "item-churn":
+        index = 0
+        while True:
+            key = f"k{index % 3}"
+            text = f"value {index} of {key} {uuid.uuid4().hex}"
+            if index % 4 == 3:
+                delete_item(store, tenant, ("notes",), key)
+            else:
+                put_item(store, tenant, ("notes",), key, {"text": text}, text)
+            index += 1
 
 
 if __name__ == "__main__":

@@ -406,3 +406,29 @@ def test_every_process_of_a_store_shares_one_identity(tmp_path):
         second._store_id()
     with pytest.raises(InvalidInputError, match="Qdrant"):
         MemoryStore(tmp_path / "u", embedder=Fixed(), index_api_key="k")
+
+
+def test_a_search_scores_only_the_callers_rows_whoever_else_is_stored():
+    """Bob's ten memories beside 200k of Mallory's: his search scores his ten rows, as it does alone
+    (counted, not timed: docs/benchmarks/store.md has the times)."""
+    import numpy as np
+
+    index = MemoryIndex(":memory:", 8, "test")
+    rng = np.random.default_rng(0)
+    for i in range(10):
+        index._upsert(
+            f"b{i}",
+            rng.normal(size=8),
+            ([], []),
+            {"tenant": "bob", "memory_id": f"b{i}", "version": 1, "session_id": None},
+        )
+    query = rng.normal(size=8).tolist()
+    alone = index._search(query, "bob", None, 4, ["anything"], 0.05)
+    scored_alone = index.scored_rows
+    for i in range(200_000):
+        payload = {"tenant": "mallory", "memory_id": f"m{i}", "version": 1, "session_id": None}
+        index._upsert(f"m{i}", rng.normal(size=8), ([], []), payload)
+    index.scored_rows = 0
+    beside = index._search(query, "bob", None, 4, ["anything"], 0.05)
+    assert beside == alone and index.scored_rows == scored_alone == 10
+    assert {hit.memory_id for hit in index._search(query, "bob", "no such session", 4, [], 0.0)} == set()

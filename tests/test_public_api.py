@@ -46,6 +46,7 @@ ADAPTERS = {
     "put_item",
     "list_items",
     "item_of",
+    "item_tenants",
     "get_item",
     "delete_item",
     "Item",

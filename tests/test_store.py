@@ -479,3 +479,95 @@ def test_gc_running_beside_supersedes_loses_no_version(make_store):
         f"Version {v} of the plan." for v in range(1, 41)
     ]
     assert store.check().ok
+
+
+def _ahead(store: MemoryStore, seconds: float) -> None:
+    """Move the store's tier clock ``seconds`` ahead: what gc judges ages by."""
+    real_now = type(store.tier).now
+    store.tier.now = lambda: real_now(store.tier) + seconds  # type: ignore[method-assign]
+
+
+def test_gc_never_frees_the_add_of_a_writer_stalled_past_the_grace(make_store):
+    """A writer pauses between its data and its head (GC pause, SIGSTOP) while gc runs 65 s later:
+    gc fences the head before it frees the data, the writer's publish is refused and it writes
+    again, so the add that returns is there."""
+    store = make_store()
+    real_cas = store.tier.compare_and_set
+    stalls = []
+
+    def stall_once(key, expected, value):
+        if key.startswith("h/") and not stalls:
+            stalls.append(key)
+            _ahead(store, 65)
+            store.gc()  # frees the stalled write's record and embedding
+        return real_cas(key, expected, value)
+
+    store.tier.compare_and_set = stall_once  # type: ignore[method-assign]
+    record = store.add("The vault is in the basement.", tenant="alice")
+    assert stalls and stalls[0] != f"h/alice/{record.id}", "the stalled attempt's id is fenced, a new one is used"
+    assert store.get(record.id, tenant="alice").text == "The vault is in the basement."
+    assert store.search("where is the vault", tenant="alice", k=1)[0].id == record.id
+    assert store.check().ok
+    store.gc()
+    assert store.get(record.id, tenant="alice") is not None
+
+
+def test_a_stalled_supersede_is_refused_not_lost(make_store):
+    from kvshift_memory.exceptions import VersionConflictError
+
+    store = make_store()
+    record = store.add("The budget is 50k.", tenant="alice")
+    real_cas = store.tier.compare_and_set
+    stalls = []
+
+    def stall(key, expected, value):
+        if not stalls:
+            stalls.append(key)
+            _ahead(store, 65)
+            store.gc()
+        return real_cas(key, expected, value)
+
+    store.tier.compare_and_set = stall  # type: ignore[method-assign]
+    with pytest.raises(VersionConflictError):
+        store.supersede(record.id, "The budget is 70k.", tenant="alice")
+    store.tier.compare_and_set = real_cas  # type: ignore[method-assign]
+    assert store.get(record.id, tenant="alice").text == "The budget is 50k."
+    assert store.supersede(record.id, "The budget is 70k.", tenant="alice").version == 2  # a retry resolves it
+
+
+def test_expired_memories_never_make_a_search_come_back_short(make_store):
+    store = make_store()
+    for index in range(40):
+        store.add(f"Reminder {index}: the door code is {1000 + index}.", tenant="alice", ttl_s=30)
+    kept = store.add("Groceries: milk and eggs.", tenant="alice")
+    _ahead(store, 120)
+    store._clock_anchor = None  # read the moved clock now
+    hits = store.search("what is the door code", tenant="alice", k=1)
+    assert [hit.id for hit in hits] == [kept.id]
+
+
+def test_a_tampered_access_counter_costs_the_count_not_the_read(make_store):
+    store = make_store()
+    record = store.add("The spare key is under the mat.", tenant="alice")
+    store.tier.set(f"ac/alice/{record.id}", b"not a number")
+    assert store.get(record.id, tenant="alice").text == "The spare key is under the mat."
+    assert store.search("spare key", tenant="alice", k=1)[0].id == record.id
+    report = store.check()
+    assert any("access counter" in problem for problem in report.problems), report.problems
+    assert store.get(record.id, tenant="alice").access_count == 1  # repaired: counting again
+
+
+def test_a_key_that_is_not_utf8_in_redis_is_skipped(redis_url, embedder):
+    import redis
+
+    client = redis.Redis.from_url(redis_url)
+    client.flushdb()
+    store = MemoryStore(kv_url=redis_url, index_url=":memory:", embedder=embedder)
+    record = store.add("The boat is in slip 12.", tenant="alice")
+    for prefix in (b"h/", b"i/", b"f/", b"ac/"):
+        client.set(prefix + b"\xff\xfe", b"x")
+    assert store.stats()["memories"] == 1
+    store.gc()
+    assert store.check().ok
+    assert store.get(record.id, tenant="alice") is not None
+    store.close()

@@ -196,3 +196,54 @@ def test_a_busy_searcher_does_not_keep_another_process_waiting(tmp_path):
     finally:
         searcher.kill()
         searcher.wait()
+
+
+def test_a_writer_whose_clock_is_behind_loses_no_add_to_gc(shared_url):
+    """A child whose own clock runs 120 s behind adds 300 memories while this process runs gc in a
+    loop: ages are judged by the tier's clock, so no write in flight looks abandoned."""
+    store = open_store(shared_url)
+    child = subprocess.Popen(
+        [sys.executable, WORKER, "add-skewed", shared_url, "alice", "300", "120"], stdout=subprocess.PIPE, text=True
+    )
+    collections = 0
+    while child.poll() is None:
+        store.gc()
+        collections += 1
+    out, _ = child.communicate()
+    assert child.returncode == 0
+    acknowledged = [json.loads(line) for line in out.splitlines()]
+    assert len(acknowledged) == 300 and collections > 10
+    store.gc()
+    lost = [entry for entry in acknowledged if store.get(entry["id"], tenant="alice") is None]
+    assert lost == []
+    store.close()
+
+
+def test_kills_during_item_puts_and_deletes_leave_no_orphan_and_nothing_half_visible(shared_url):
+    """40 times: a child puts and deletes items until SIGKILLed at a random moment. Then check():
+    no memory is left that no item names, and every item's value and text agree."""
+    from kvshift_memory.adapters import list_items
+    from kvshift_memory.store.layout import parse_head, split_key
+
+    rng = random.Random(11)
+    for _ in range(40):
+        child = subprocess.Popen([sys.executable, WORKER, "item-churn", shared_url, "alice"])
+        time.sleep(rng.uniform(0.4, 0.9))
+        os.kill(child.pid, signal.SIGKILL)
+        child.wait()
+    store = open_store(shared_url)
+    items = list(list_items(store, "alice"))
+    assert all(item.value["text"] == item.memory.text for item in items)  # nothing half-visible, even before check
+    visible = {hit.id for hit in store.search("value of", tenant="alice", k=100)}
+    assert visible <= {item.memory.id for item in items}, "a search shows a memory no item names"
+    real_now = type(store.tier).now
+    store.tier.now = lambda: real_now(store.tier) + 3600  # the children are gone: past the grace
+    report = store.check()
+    assert report.ok, report.problems
+    live = {
+        split_key(key)[2]
+        for key in store.tier.scan("h/alice/")
+        if (head := parse_head(store.tier.get(key))) is not None and not head["deleted"]
+    }
+    assert live == {item.memory.id for item in list_items(store, "alice")}
+    store.close()

@@ -140,6 +140,11 @@ class MemoryIndex(LogFollower):
         # per tenant code: term -> {row: value}, and how many points it has (the IDF corpus)
         self._postings: dict[int, dict[int, dict[int, float]]] = {}
         self._counts: dict[int, int] = {}
+        # per tenant code: its rows, so a search scores only the caller's own (their array made on demand)
+        self._tenant_rows: dict[int, set[int]] = {}
+        self._tenant_arrays: dict[int, np.ndarray] = {}
+        #: rows whose vectors searches have scored (what a search costs, whoever else is stored)
+        self.scored_rows = 0
 
     def _code(self, text: str | None) -> int:
         return self._codes.setdefault(text, len(self._codes))
@@ -156,33 +161,38 @@ class MemoryIndex(LogFollower):
         keyword_weight: float,
     ) -> list[IndexHit]:
         tenant_code = self._codes.get(tenant)
-        if tenant_code is None or not self._rows:
+        if tenant_code is None or not self._tenant_rows.get(tenant_code):
             return []
-        mask = self._tenant_of == tenant_code
+        candidates = self._tenant_arrays.get(tenant_code)
+        if candidates is None:
+            candidates = self._tenant_arrays[tenant_code] = np.fromiter(
+                sorted(self._tenant_rows[tenant_code]), dtype=np.int64
+            )
         if session_id is not None:
-            mask &= self._session_of == self._codes.get(session_id, -2)
+            candidates = candidates[self._session_of[candidates] == self._codes.get(session_id, -2)]
         query = np.asarray(vector, dtype=np.float32)
         norm = float(np.linalg.norm(query))
-        cosine = self._vectors @ (query / norm if norm else query)
-        candidates = np.flatnonzero(mask)
-        dense = candidates[np.argsort(-cosine[candidates], kind="stable")[:limit]]
+        self.scored_rows += len(candidates)
+        scores = self._vectors[candidates] @ (query / norm if norm else query)
+        cosine = dict(zip(candidates.tolist(), scores.tolist(), strict=True))
+        dense = sorted(cosine, key=lambda row: -cosine[row])[:limit]
         keyword: dict[int, float] = {}
         indices, values = sparse_terms(terms)
         if indices and keyword_weight > 0:
-            keyword = self._keyword_scores(tenant_code, indices, values, mask)
+            keyword = self._keyword_scores(tenant_code, indices, values, cosine)
             keyword = dict(sorted(keyword.items(), key=lambda item: -item[1])[:limit])
         hits = {}
-        for row in [*dense.tolist(), *keyword]:
+        for row in [*dense, *keyword]:
             if row not in hits:
                 payload = self._payloads[row]
-                score = float(cosine[row]) + keyword_weight * keyword.get(row, 0.0)
+                score = cosine[row] + keyword_weight * keyword.get(row, 0.0)
                 hits[row] = IndexHit(tenant, payload["memory_id"], payload["version"], score)
         return sorted(hits.values(), key=lambda hit: hit.score, reverse=True)[:limit]
 
     def _keyword_scores(
-        self, tenant_code: int, indices: list[int], values: list[float], mask: np.ndarray
+        self, tenant_code: int, indices: list[int], values: list[float], candidates: dict[int, float]
     ) -> dict[int, float]:
-        """Rows of the tenant sharing a term with the query, and their IDF-weighted overlap."""
+        """Rows among ``candidates`` sharing a term with the query, and their IDF-weighted overlap."""
         postings, corpus = self._postings.get(tenant_code, {}), self._counts.get(tenant_code, 0)
         scores: dict[int, float] = {}
         for term, value in zip(indices, values, strict=True):
@@ -191,7 +201,7 @@ class MemoryIndex(LogFollower):
                 continue
             weight = value * math.log((corpus - len(rows) + 0.5) / (len(rows) + 0.5) + 1)
             for row, stored in rows.items():
-                if mask[row]:
+                if row in candidates:
                     scores[row] = scores.get(row, 0.0) + weight * stored
         return scores
 
@@ -231,6 +241,8 @@ class MemoryIndex(LogFollower):
         for term, value in terms.items():
             postings.setdefault(term, {})[row] = value
         self._counts[tenant_code] = self._counts.get(tenant_code, 0) + 1
+        self._tenant_rows.setdefault(tenant_code, set()).add(row)
+        self._tenant_arrays.pop(tenant_code, None)
 
     def _grow(self) -> int:
         row = len(self._payloads)
@@ -254,6 +266,8 @@ class MemoryIndex(LogFollower):
                 if not rows:
                     del postings[term]
         self._counts[tenant_code] -= 1
+        self._tenant_rows[tenant_code].discard(row)
+        self._tenant_arrays.pop(tenant_code, None)
         self._vectors[row] = 0.0
         self._tenant_of[row] = -1
         self._session_of[row] = -1

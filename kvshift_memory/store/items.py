@@ -1,13 +1,24 @@
 """Items: memories a caller names by a namespace and a key, with a JSON value beside the text.
 
 A key-value store's contract (LangGraph's ``BaseStore``: put, get, search, delete) over the
-memory store. Each item is a memory (its text indexed, recalled and given KV fragments like any
-other) plus an *item row* under ``i/<tenant>/<digest of namespace and key>`` that holds the
-namespace, key, value and the memory's id; ``ir/<tenant>/<memory id>`` leads from a search hit
-back to its row. Memory ids are never reused, so a key put again after a delete gets a new
-memory. A put is published by a compare-and-set of the item row: of two writers of one key, the
-last to publish wins, and a writer that loses removes the memory it made. A delete replaces the
-row by a tombstone without the value, so a deleted value is not kept.
+memory store. Each item is an *item row* under ``i/<tenant>/<digest of namespace and key>`` that
+holds the namespace, key, value and the id of the memory that holds its text (embedded, recalled
+and given KV fragments like any other memory). The row is the one truth: the memory records the
+row that owns it (``MemoryRecord.item``) and is live only while that row names it, so a put or a
+delete changes an item in one compare-and-set, of the row, and no reader ever sees half of one.
+
+- A put whose text is new writes a new memory first (owned by the row, so nothing sees it yet),
+  then publishes the row naming it by compare-and-set, then deletes the memory the row named
+  before. Of two writers of one key the last to publish wins; the one refused deletes what it
+  made and tries again.
+- A delete replaces the row by a tombstone without the value (the item is gone at that moment),
+  then deletes the memory.
+- A writer killed anywhere leaves at most a memory no row names: invisible to every read and
+  search, and removed by :meth:`MemoryStore.gc` and :meth:`MemoryStore.check` once older than
+  the grace a write in flight gets (by the tier's clock; they fence the row first, so a put
+  stalled past the grace is refused and writes again).
+
+Memory ids are never reused, so a key put again after a delete gets a new memory.
 """
 
 from __future__ import annotations
@@ -15,7 +26,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import time
+import uuid
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -27,8 +38,19 @@ from .records import MemoryRecord
 
 if TYPE_CHECKING:
     from .memory_store import MemoryStore
+    from .tiers import KVTier
 
-__all__ = ["Item", "delete_item", "get_item", "item_of", "list_items", "put_item"]
+__all__ = [
+    "Item",
+    "delete_item",
+    "fence_row",
+    "get_item",
+    "item_of",
+    "item_tenants",
+    "list_items",
+    "owns",
+    "put_item",
+]
 
 #: bound on an item's value as JSON (a value is read back whole on every get)
 MAX_VALUE_BYTES = 1 << 20
@@ -64,6 +86,8 @@ def _check_value(value: Any) -> bytes:
         encoded = json.dumps(dict(value), ensure_ascii=False, sort_keys=True, allow_nan=False).encode("utf-8")
     except (TypeError, ValueError) as exc:
         raise InvalidInputError(f"an item's value must be JSON (str keys; no NaN, no objects): {exc}") from None
+    except RecursionError:
+        raise InvalidInputError("an item's value is nested too deeply to store as JSON") from None
     if len(encoded) > MAX_VALUE_BYTES:
         raise InvalidInputError(f"an item's value is {len(encoded):,} bytes as JSON, over {MAX_VALUE_BYTES:,}")
     return encoded
@@ -80,7 +104,7 @@ def _parse_row(raw: bytes | None) -> dict[str, Any] | None:
         return None
     try:
         row = json.loads(raw)
-    except (UnicodeDecodeError, ValueError):
+    except (UnicodeDecodeError, ValueError, RecursionError):
         return None
     if not isinstance(row, dict) or row.get("deleted"):
         return None
@@ -109,6 +133,44 @@ def _item(tenant: str, row: dict[str, Any], memory: MemoryRecord) -> Item:
     return Item(tenant, tuple(row["namespace"]), row["key"], row["value"], row["created_at"], row["updated_at"], memory)
 
 
+def owns(tier: KVTier, record: MemoryRecord) -> bool:
+    """Whether the item row ``record.item`` names ``record`` (only then is an item's memory live)."""
+    row_key = record.item or ""
+    if not row_key.startswith(tier_key("i", record.tenant) + "/"):  # records are untrusted: never another tenant's row
+        return False
+    row = _parse_row(tier.get(row_key))
+    return row is not None and row["id"] == record.id
+
+
+def fence_row(tier: KVTier, row_key: str, raw: bytes | None) -> bool:
+    """Make the row's bytes new, keeping what it says, if they are still ``raw``: a put that read
+    ``raw`` can then no longer publish. gc does this before it removes a memory the row does not
+    name (a put stalled past the grace may be about to name it).
+
+    :returns: whether the row was still ``raw`` (and is now fenced).
+    """
+    try:
+        row = json.loads(raw) if raw else None
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        row = None
+    if not isinstance(row, dict) or _parse_row(raw) is None:
+        row = {"deleted": True}  # nothing readable: what it said was "no item"
+    row["fence"] = uuid.uuid4().hex
+    return tier.compare_and_set(row_key, raw, json.dumps(row, ensure_ascii=False).encode("utf-8"))
+
+
+def _retire(store: MemoryStore, tenant: str, memory_id: Any) -> None:
+    """Delete a memory no row names any more (it is invisible already: this frees it sooner than gc)."""
+    for _ in range(_ATTEMPTS):
+        try:
+            store.delete(memory_id, tenant=tenant)
+            return
+        except VersionConflictError:
+            continue  # gc tombstoned or fenced it meanwhile: read it again
+        except InvalidInputError:
+            return  # a row naming no valid memory id: nothing to delete
+
+
 def put_item(
     store: MemoryStore,
     tenant: str,
@@ -119,10 +181,13 @@ def put_item(
     *,
     session_id: str | None = None,
     ttl_s: float | None = None,
+    index: bool = True,
 ) -> Item:
     """Create or replace the item ``key`` of ``namespace``: ``text`` becomes its memory's text
-    (a new version when it changed), ``value`` its value.
+    (a new memory when it changed), ``value`` its value.
 
+    :param index: ``False``: the item's text is not embedded or indexed (search never finds it,
+        recall never shows it); ``get`` still returns it.
     :raises InvalidInputError: a bad tenant, namespace, key, text or value.
     :raises StoreBusyError: other writers of the same key kept publishing first.
     :raises StoreError: the tier refused a write.
@@ -131,22 +196,28 @@ def put_item(
     labels, key = _check_name(namespace, key)
     encoded_value = _check_value(value)
     text = inputs.check_text(text, "text")
+    if not isinstance(index, bool):
+        raise InvalidInputError(f"index must be True or False, got {index!r}")
     row_key = _row_key(tenant, labels, key)
     for _ in range(_ATTEMPTS):
         raw = store.tier.get(row_key)
         row = _parse_row(raw)
         current = _memory(store, tenant, row)
-        now = time.time()
-        try:
-            if current is None:
-                memory = store.add(text, tenant=tenant, session_id=session_id, ttl_s=ttl_s)
-                store.tier.set(tier_key("ir", tenant, memory.id), row_key.encode())
-            elif current.text != text:
-                memory = store.supersede(current.id, text, tenant=tenant, expected_version=current.version)
-            else:
-                memory = current
-        except VersionConflictError:
-            continue  # another writer of this key moved the memory: read the row again
+        now = store.now()
+        made = None
+        if current is None or current.text != text or current.indexed != index or ttl_s is not None:
+            made = store._add(  # noqa: SLF001 - the item layer is the store's own
+                text,
+                tenant=tenant,
+                session_id=session_id,
+                importance_score=0.5,
+                semantic_keywords=(),
+                ttl_s=ttl_s,
+                index=index,
+                item=row_key,
+            )
+        memory = made or current
+        assert memory is not None  # one of the two, by the branch above
         published = {
             "id": memory.id,
             "namespace": list(labels),
@@ -156,9 +227,11 @@ def put_item(
             "updated_at": now,
         }
         if store.tier.compare_and_set(row_key, raw, json.dumps(published, ensure_ascii=False).encode("utf-8")):
+            if made is not None and current is not None:
+                _retire(store, tenant, current.id)
             return _item(tenant, published, memory)
-        if current is None:  # the memory made for this write is nobody's: remove it
-            store.delete(memory.id, tenant=tenant)
+        if made is not None:  # refused: the memory made for this write is nobody's
+            _retire(store, tenant, made.id)
     raise StoreBusyError(f"item {key!r} of {labels!r}: other writers kept publishing first; try again")
 
 
@@ -173,11 +246,12 @@ def get_item(store: MemoryStore, tenant: str, namespace: Sequence[str], key: str
     if row is None or tuple(row["namespace"]) != labels or row["key"] != key:
         return None
     memory = _memory(store, tenant, row)
-    return None if row is None or memory is None else _item(tenant, row, memory)
+    return None if memory is None else _item(tenant, row, memory)
 
 
 def delete_item(store: MemoryStore, tenant: str, namespace: Sequence[str], key: str) -> bool:
-    """Delete the item and its memory; its value is not kept.
+    """Delete the item and its memory; its value is not kept. The item is gone when the row's
+    tombstone is written; its memory is deleted next (or, if this writer dies first, by gc).
 
     :returns: whether there was a live item.
     :raises InvalidInputError: a bad tenant, namespace or key.
@@ -192,17 +266,17 @@ def delete_item(store: MemoryStore, tenant: str, namespace: Sequence[str], key: 
         if row is None:
             return False
         if store.tier.compare_and_set(row_key, raw, json.dumps({"deleted": True}).encode()):
-            try:
-                return store.delete(row["id"], tenant=tenant)
-            except InvalidInputError:  # a row naming no valid memory id: the tombstone is all there was
-                return True
+            _retire(store, tenant, row["id"])
+            return True
     raise StoreBusyError(f"item {key!r} of {labels!r}: other writers kept publishing first; try again")
 
 
 def item_of(store: MemoryStore, record: MemoryRecord) -> Item | None:
     """The item whose memory ``record`` is (a search hit), or ``None`` for a memory that is no item's."""
-    pointer = store.tier.get(tier_key("ir", record.tenant, record.id))
-    row_key = pointer.decode("utf-8", "replace") if pointer else ""
+    row_key = record.item
+    if row_key is None:  # an item a build before ``MemoryRecord.item`` wrote: its memory points to its row
+        pointer = store.tier.get(tier_key("ir", record.tenant, record.id))
+        row_key = pointer.decode("utf-8", "replace") if pointer else ""
     if not row_key.startswith(tier_key("i", record.tenant) + "/"):  # rows are untrusted: never another tenant's
         return None
     row = _parse_row(store.tier.get(row_key))
@@ -220,3 +294,8 @@ def list_items(store: MemoryStore, tenant: str | None = None) -> Iterator[Item]:
         memory = _memory(store, parts[1], row) if len(parts) == 3 else None
         if row is not None and memory is not None:
             yield _item(parts[1], row, memory)
+
+
+def item_tenants(store: MemoryStore) -> set[str]:
+    """The tenants that have item rows (live or deleted), read from the rows' keys alone."""
+    return {parts[1] for parts in map(split_key, store.tier.scan("i/")) if len(parts) == 3 and parts[1]}

@@ -10,6 +10,7 @@ Layout (every key component percent-encoded; ``t`` tenant, ``m`` memory id):
 ``f/t/m/v/variant``  a KV fragment blob of version ``v`` (one per model and codec: ``variant``)
 ``x/t/hash``         the memory id of a text hash (the design's second path: text -> fragment)
 ``ac/t/m``           access count; ``al/t/m``: last access time
+``o/t/digest``       a token claimed once (:meth:`MemoryStore.claim_once`: a request carried out)
 ``log``              the change log the index replays
 ``store_id``         the store's identity in a shared Qdrant collection (made once, by compare-and-set)
 ===================  ====================================================================
@@ -66,10 +67,17 @@ def split_key(key: str) -> list[str]:
     return [unquote(p) for p in key.split("/")]
 
 
-def head_bytes(version: int, writer: str, deleted: bool = False, erased: bool = False) -> bytes:
+def head_bytes(
+    version: int, writer: str, deleted: bool = False, erased: bool = False, fence: str | None = None
+) -> bytes:
+    """A head's bytes. ``fence`` (a nonce) changes them without changing what they say: gc writes
+    it before it frees a write no head names, so that writer's compare-and-set, made against the
+    head it read before, can never publish what was freed."""
     data: dict[str, Any] = {"v": version, "w": writer, "deleted": deleted}
     if erased:
         data["erased"] = True
+    if fence is not None:
+        data["fence"] = fence
     return json.dumps(data, sort_keys=True).encode()
 
 
@@ -78,7 +86,7 @@ def parse_head(raw: bytes | None) -> dict | None:
         return None
     try:
         head = json.loads(raw)
-    except (UnicodeDecodeError, ValueError):
+    except (UnicodeDecodeError, ValueError, RecursionError):
         return None
     if not isinstance(head, dict) or not isinstance(head.get("v"), int) or head["v"] < 1:
         return None

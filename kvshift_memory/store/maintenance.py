@@ -6,7 +6,6 @@
 from __future__ import annotations
 
 import json
-import time
 import uuid
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -14,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 from ..blobs import codec_label, read_header, verify_blob
 from ..exceptions import CorruptFragmentError, CorruptRecordError, StoreError
 from .index import IndexedState
+from .items import fence_row, owns
 from .keywords import memory_keywords
 from .layout import (
     LOG_KEY,
@@ -69,13 +69,19 @@ def collect_garbage(store: MemoryStore, *, keep_model_fingerprint: str | None = 
 
     Erases deleted and expired memories (text, vectors, fragments), fragments and vectors of
     superseded versions (their text stays, for :meth:`history`), data that writers killed
-    mid-write left behind, and, when ``keep_model_fingerprint`` is given, fragments of other
-    models (stale: they would never be used again).
+    mid-write left behind, memories of items that no item row names, and, when
+    ``keep_model_fingerprint`` is given, fragments of other models (stale: they would never be
+    used again).
+
+    Ages are judged by the tier's clock. A write no head names yet is freed only once older than
+    :data:`ORPHAN_GRACE_S` and only after gc has *fenced* the head it would be published on (made
+    its bytes new): a writer stalled past the grace then fails its compare-and-set and writes
+    again, so nothing gc frees is ever acknowledged.
 
     :raises StoreError: the tier failed.
     """
     report = GCReport()
-    now = time.time()
+    now = store.tier.now()
     heads: dict[tuple[str, str], dict | None] = {}
     for key in list(store.tier.scan("h/")):
         parts = split_key(key)
@@ -85,6 +91,11 @@ def collect_garbage(store: MemoryStore, *, keep_model_fingerprint: str | None = 
         if head is None or head.get("erased"):
             continue
         live = None if head["deleted"] else store._read_record(tenant, memory_id, head["v"], head["w"])
+        if live is not None and not head["deleted"] and _unowned_item(store, live, now, report):
+            heads[(tenant, memory_id)] = parse_head(store._get_row(tier_key("h", tenant, memory_id)))
+            head = heads[(tenant, memory_id)]
+            if head is None or head.get("erased"):
+                continue
         if head["deleted"] or (live is not None and live.is_expired(now)):
             heads[(tenant, memory_id)] = _erase(store, tenant, memory_id, head, report)
     for prefix in ("r/", "e/", "p/", BLOB_PREFIX):
@@ -93,15 +104,38 @@ def collect_garbage(store: MemoryStore, *, keep_model_fingerprint: str | None = 
             if len(parts) != (4 if prefix == "p/" else 5) or not parts[3].isdigit():
                 continue  # not a key this layout writes (an earlier one's: check() moves those)
             # the heads were read before this scan; a memory written since is judged by its head now
-            if not _in_use(store, prefix, parts, heads.get((parts[1], parts[2])), now) and not _in_use(
-                store, prefix, parts, store._read_head(parts[1], parts[2])[1], now
-            ):
-                _free(store, key, report)
+            if _verdict(store, prefix, parts, heads.get((parts[1], parts[2])), now) != "keep":
+                raw_head, head = store._read_head(parts[1], parts[2])
+                verdict = _verdict(store, prefix, parts, head, now)
+                if verdict == "free" or (verdict == "fence" and _fence(store, parts, raw_head, head)):
+                    _free(store, key, report)
             elif prefix == BLOB_PREFIX and keep_model_fingerprint is not None:
                 raw = store._get_row(key)
                 if raw is not None and blob_fingerprint(raw) != keep_model_fingerprint:
                     _free(store, key, report)
     return report
+
+
+def _unowned_item(store: MemoryStore, record: MemoryRecord, now: float, report: GCReport | CheckReport) -> bool:
+    """Delete ``record``, an item's memory, when no item row names it and it is older than the
+    grace a put in flight gets (the row fenced first, so that put can no longer name it).
+
+    :returns: whether it was deleted.
+    """
+    if record.item is None or owns(store.tier, record) or now - record.created_at <= ORPHAN_GRACE_S:
+        return False
+    raw_row = store._get_row(record.item)
+    if owns(store.tier, record) or not fence_row(store.tier, record.item, raw_row):
+        return False  # named meanwhile, or the row moved under us: judged again next time
+    try:
+        store.delete(record.id, tenant=record.tenant)
+    except StoreError:
+        return False  # changed meanwhile: judged again next time
+    message = f"memory {record.id} of {record.tenant!r}: no item row names it (a writer died mid-put or mid-delete)"
+    if isinstance(report, CheckReport):
+        report.problems.append(message)
+        report.repaired.append(f"{message} (deleted)")
+    return True
 
 
 def check_store(store: MemoryStore) -> CheckReport:
@@ -115,6 +149,7 @@ def check_store(store: MemoryStore) -> CheckReport:
     :raises StoreError: the tier failed.
     """
     report = CheckReport(ok=True, memories=0, fragments=0)
+    now = store.tier.now()
     states: dict[tuple[str, str], IndexedState] = {}  # what each memory's index point must be
     for key in list(store.tier.scan("h/")):
         parts = split_key(key)
@@ -143,6 +178,11 @@ def check_store(store: MemoryStore) -> CheckReport:
             report.problems.append(f"memory {memory_id} of {tenant!r}: record names {record.tenant}/{record.id}")
             report.ok = False
             continue
+        if _unowned_item(store, record, now, report):
+            report.memories -= 1
+            continue
+        if not record.indexed:
+            continue  # never embedded: it has no point
         embedding_key = tier_key("e", tenant, memory_id, head["v"], head["w"])
         embedding = unpack_embedding(_get_or_report(store, embedding_key, report), store.index.dimension)
         if embedding is None or embedding[0] != record.source_text_hash:
@@ -170,6 +210,13 @@ def check_store(store: MemoryStore) -> CheckReport:
             store.tier.delete(key)
             store._hot.delete(key)
             report.repaired.append(f"{problem} (dropped; re-encoded from text on next use)")
+    for key in list(store.tier.scan("ac/")):
+        raw = _get_or_report(store, key, report)
+        if raw is not None and not raw.isdigit():
+            problem = f"access counter {key!r} holds {raw[:32]!r}, not a count"
+            report.problems.append(problem)
+            store.tier.delete(key)
+            report.repaired.append(f"{problem} (reset)")
     strays = store.index.rebuild(states, store._read_log, store._index_state)
     if strays:
         report.problems.append(f"index held {strays} points of no memory")
@@ -217,25 +264,45 @@ def store_stats(store: MemoryStore, *, model_fingerprint: str | None = None) -> 
     return out
 
 
-def _in_use(store: MemoryStore, prefix: str, parts: list[str], head: dict | None, now: float) -> bool:
-    """Whether gc keeps the data under a key (split into ``parts``) of a memory whose head is ``head``."""
+def _verdict(store: MemoryStore, prefix: str, parts: list[str], head: dict | None, now: float) -> str:
+    """What gc does with the data under a key (split into ``parts``) of a memory whose head is
+    ``head``: ``"keep"`` it, ``"free"`` it (no writer can ever publish it), or ``"fence"`` the
+    head and then free it (an abandoned write that a stalled writer could still publish)."""
     tenant, memory_id, version = parts[1], parts[2], int(parts[3])
     if head is not None and head["deleted"]:
-        return False
+        return "free"
     if prefix == "p/":
         # a publication pointer is never wrong (a version has one writer), and the head read at
         # the start of gc may already be behind one a supersede just wrote: keep while the memory lives
-        return head is not None
+        return "keep" if head is not None else "free"
     if prefix == BLOB_PREFIX:
-        return head is not None and version == head["v"]
+        return "keep" if head is not None and version == head["v"] else "free"
     writer = parts[4]
     if head is not None and version <= head["v"]:
         published = head["w"] if version == head["v"] else store._published_writer(tenant, memory_id, version)
         # superseded versions keep their text (history), not their embedding
-        return writer == published and (prefix == "r/" or version == head["v"])
+        return "keep" if writer == published and (prefix == "r/" or version == head["v"]) else "free"
     # no head names it yet: a write in flight (the first version, or the next one), or abandoned
-    in_flight = version == (head["v"] + 1 if head is not None else 1)
-    return in_flight and not _abandoned(store, tenant, memory_id, version, writer, now)
+    if version != (head["v"] + 1 if head is not None else 1):
+        return "free"
+    return "fence" if _abandoned(store, tenant, memory_id, version, writer, now) else "keep"
+
+
+def _fence(store: MemoryStore, parts: list[str], raw_head: bytes | None, head: dict | None) -> bool:
+    """Change the head an abandoned write would be published on, if it is still ``raw_head``, so
+    its writer's compare-and-set (against the head it read before writing) can never succeed.
+    A first version gets a tombstone (its id is then never used: the writer adds under a new one).
+
+    :returns: whether the head was still ``raw_head`` (the write can no longer be published).
+    """
+    tenant, memory_id, writer = parts[1], parts[2], parts[4]
+    if head is None and raw_head is not None:
+        return False  # an unreadable head: check() reports it; nothing is freed on a guess
+    if head is None:
+        fenced = head_bytes(1, writer, deleted=True, erased=True)
+    else:
+        fenced = head_bytes(head["v"], head["w"], head["deleted"], bool(head.get("erased")), fence=uuid.uuid4().hex)
+    return store.tier.compare_and_set(tier_key("h", tenant, memory_id), raw_head, fenced)
 
 
 def _move_to_writer_keys(

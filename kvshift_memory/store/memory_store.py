@@ -12,12 +12,14 @@ holds a lock across processes (``docs/store.md``), and nothing imports torch: th
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import re
+import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -29,11 +31,13 @@ from ..exceptions import (
     CorruptRecordError,
     InvalidInputError,
     MemoryNotFoundError,
+    StoreBusyError,
     StoreError,
     VersionConflictError,
 )
 from . import maintenance
 from .index import IndexedState, open_index
+from .items import owns
 from .keywords import keywords, memory_keywords
 from .layout import (
     LOG_KEY,
@@ -57,6 +61,10 @@ __all__ = ["CheckReport", "GCReport", "MemoryStore"]
 logger = logging.getLogger("kvshift_memory.store")
 
 MAX_SEARCH_K = 1000
+# how often the store reads its tier's clock again (between reads it counts this process's monotonic time)
+_CLOCK_REFRESH_S = 5.0
+# fresh ids an add tries when gc fenced its write as abandoned (a writer stalled past the grace)
+_ADD_ATTEMPTS = 3
 
 
 class MemoryStore:
@@ -152,8 +160,25 @@ class MemoryStore:
             collection_prefix=index_collection_prefix,
         )
         self.corrupt_fragments = 0
+        self._clock_lock = threading.Lock()
+        self._clock_anchor: tuple[float, float] | None = None  # (tier time, monotonic time) when read
 
     # ---------------------------------------------------------------- public API
+
+    def now(self) -> float:
+        """The store's clock, in Unix seconds: its tier's (Redis's, the folder's machine's), the
+        one every writer shares. Creation times, TTLs and gc's grace are judged by it, never by a
+        writer's own clock. Read from the tier every few seconds, advanced in between by this
+        process's monotonic clock.
+
+        :raises StoreError: the tier failed.
+        """
+        with self._clock_lock:
+            ticks = time.monotonic()
+            if self._clock_anchor is None or ticks - self._clock_anchor[1] > _CLOCK_REFRESH_S:
+                self._clock_anchor = (self.tier.now(), time.monotonic())
+            tier_time, at = self._clock_anchor
+            return tier_time + (time.monotonic() - at)
 
     def add(
         self,
@@ -164,31 +189,68 @@ class MemoryStore:
         importance_score: float = 0.5,
         semantic_keywords: Sequence[str] = (),
         ttl_s: float | None = None,
+        index: bool = True,
     ) -> MemoryRecord:
         """Store a new memory (version 1). When this returns, the memory is durable.
 
+        :param index: ``False`` stores the memory without embedding it (its text never reaches
+            the embedder): :meth:`get` returns it, no search or recall ever does.
         :raises InvalidInputError: empty or over-long text, invalid Unicode, bad ids or scores.
-        :raises StoreError: the tier refused the write.
+        :raises StoreError: the tier refused the write; :class:`StoreBusyError` when gc judged
+            every attempt abandoned (a writer stalled past gc's grace, again and again).
         """
+        return self._add(
+            text,
+            tenant=tenant,
+            session_id=session_id,
+            importance_score=importance_score,
+            semantic_keywords=semantic_keywords,
+            ttl_s=ttl_s,
+            index=index,
+            item=None,
+        )
+
+    def _add(
+        self,
+        text: str,
+        *,
+        tenant: str,
+        session_id: str | None,
+        importance_score: float,
+        semantic_keywords: Sequence[str],
+        ttl_s: float | None,
+        index: bool,
+        item: str | None,
+    ) -> MemoryRecord:
+        """:meth:`add`, for a memory that the item row ``item`` owns when given (:mod:`.items`)."""
         tenant, session_id = self._ids(tenant, session_id)
         text = inputs.check_text(text, "text")
         importance_score = inputs.check_ratio(importance_score, "importance_score")
         keywords = _check_keywords(semantic_keywords)
-        now = time.time()
-        record = MemoryRecord(
-            id=uuid.uuid4().hex,
-            version=1,
-            text=text,
-            tenant=tenant,
-            session_id=session_id,
-            created_at=now,
-            source_text_hash=text_hash(text),
-            importance_score=importance_score,
-            semantic_keywords=keywords,
-            expires_at=_expiry(ttl_s, now),
-        )
-        self._write_version(record, None, None)
-        return replace(record, fragment_source=self)
+        if not isinstance(index, bool):
+            raise InvalidInputError(f"index must be True or False, got {index!r}")
+        for _ in range(_ADD_ATTEMPTS):
+            now = self.now()
+            record = MemoryRecord(
+                id=uuid.uuid4().hex,
+                version=1,
+                text=text,
+                tenant=tenant,
+                session_id=session_id,
+                created_at=now,
+                source_text_hash=text_hash(text),
+                importance_score=importance_score,
+                semantic_keywords=keywords,
+                expires_at=_expiry(ttl_s, now),
+                indexed=index,
+                item=item,
+            )
+            try:
+                self._write_version(record, None, None)
+            except VersionConflictError:
+                continue  # a new id has no other writer: gc fenced this write as abandoned; write it again
+            return replace(record, fragment_source=self)
+        raise StoreBusyError("every attempt to add the memory was judged abandoned by gc; try again")
 
     def get(self, memory_id: str, *, tenant: str) -> MemoryRecord | None:
         """The live version of a memory of ``tenant``, or ``None`` (also for another tenant's id).
@@ -202,9 +264,22 @@ class MemoryStore:
             return None
         return self._touch(record)
 
-    def search(self, query: str, *, tenant: str, session_id: str | None = None, k: int = 4) -> list[MemoryRecord]:
+    def search(
+        self,
+        query: str,
+        *,
+        tenant: str,
+        session_id: str | None = None,
+        k: int = 4,
+        where: Callable[[MemoryRecord], bool] | None = None,
+    ) -> list[MemoryRecord]:
         """The ``k`` live memories of ``tenant`` (and ``session_id``, when given) nearest ``query``.
 
+        Memories that cannot be returned (expired ones gc has not erased yet, a deleted item's,
+        those ``where`` refuses) never take a place among the ``k``: the search reaches further
+        down the ranking until it has ``k`` or has seen every memory of ``tenant``.
+
+        :param where: keep only the records for which it returns true (applied before the cut to ``k``).
         :returns: records, best first, each with ``score`` (cosine similarity, plus the keyword
             path's share: see ``keyword_weight``).
         :raises InvalidInputError: empty query, bad ids, ``k`` outside 1..1000.
@@ -214,28 +289,40 @@ class MemoryStore:
         k = inputs.check_positive_int(k, "k")
         if k > MAX_SEARCH_K:
             raise InvalidInputError(f"k must be at most {MAX_SEARCH_K}, got {k}")
+        if where is not None and not callable(where):
+            raise InvalidInputError("where must be a function of a MemoryRecord")
         embed_query = getattr(self.embedder, "embed_query", None)
         vector = embed_query(query) if callable(embed_query) else self.embedder.embed([query])[0]
-        # a few extra candidates: expired memories stay indexed until gc() and are skipped here
-        hits = self.index.search(
-            vector,
-            tenant,
-            session_id,
-            k + 16,
-            self._read_log,
-            self._index_state,
-            terms=keywords(query),
-            keyword_weight=self.keyword_weight,
-        )
-        found = []
-        for hit in hits:
-            record = self._live(tenant, hit.memory_id)
-            if record is None or (session_id is not None and record.session_id != session_id):
-                continue
-            found.append(replace(self._touch(record), score=hit.score))
-            if len(found) == k:
-                break
-        return found
+        terms = keywords(query)
+        found: list[MemoryRecord] = []
+        seen: set[str] = set()
+        limit = k + 16
+        while True:
+            hits = self.index.search(
+                vector,
+                tenant,
+                session_id,
+                limit,
+                self._read_log,
+                self._index_state,
+                terms=terms,
+                keyword_weight=self.keyword_weight,
+            )
+            for hit in hits:
+                if hit.memory_id in seen:
+                    continue
+                seen.add(hit.memory_id)
+                record = self._live(tenant, hit.memory_id)
+                if record is None or (session_id is not None and record.session_id != session_id):
+                    continue
+                if where is not None and not where(record):
+                    continue
+                found.append(replace(self._touch(record), score=hit.score))
+                if len(found) == k:
+                    return found
+            if len(hits) < limit:  # the index has no more memories of this tenant
+                return found
+            limit *= 4
 
     def supersede(
         self, memory_id: str, new_text: str, *, tenant: str, expected_version: int | None = None
@@ -270,7 +357,7 @@ class MemoryStore:
             version=old.version + 1,
             text=new_text,
             source_text_hash=text_hash(new_text),
-            created_at=time.time(),
+            created_at=self.now(),
             status="live",
             score=None,
             fragment_source=None,
@@ -331,6 +418,20 @@ class MemoryStore:
         if record is None or record.source_text_hash != source_text_hash:
             return None
         return self._with_access(record)
+
+    def claim_once(self, token: str, *, tenant: str) -> bool:
+        """Claim ``token`` (a caller's name for something to be done once: a request carried out)
+        for ``tenant``, by compare-and-set in the tier.
+
+        :returns: ``True`` for the first claim from any process of this store, ``False`` ever after.
+        :raises InvalidInputError: a bad tenant, or a token that is not non-empty text.
+        :raises StoreError: the tier failed.
+        """
+        tenant, _ = self._ids(tenant, None)
+        if not isinstance(token, str) or not token:
+            raise InvalidInputError("a token is non-empty text")
+        digest = hashlib.sha256(token.encode("utf-8", "surrogatepass")).hexdigest()
+        return self.tier.compare_and_set(tier_key("o", tenant, digest), None, b"1")
 
     def gc(self, *, keep_model_fingerprint: str | None = None) -> GCReport:
         """Free what no live memory uses.
@@ -471,16 +572,18 @@ class MemoryStore:
         """
         tenant, memory_id, version = record.tenant, record.id, record.version
         writer = uuid.uuid4().hex
-        vector = self.embedder.embed([record.text])[0]
-        if len(vector) != self.index.dimension:
+        vector = self.embedder.embed([record.text])[0] if record.indexed else None
+        if vector is not None and len(vector) != self.index.dimension:
             raise StoreError(f"the embedder returned {len(vector)} dimensions, not {self.index.dimension}")
         # the record first: gc tells a write in flight from an abandoned one by its record's age
+        # (the tier's clock), and fences the head before it frees one (maintenance.py)
         data_keys = (
             tier_key("r", tenant, memory_id, version, writer),
             tier_key("e", tenant, memory_id, version, writer),
         )
         self.tier.set(data_keys[0], record.to_json())
-        self.tier.set(data_keys[1], pack_embedding(record.source_text_hash, vector))
+        if vector is not None:
+            self.tier.set(data_keys[1], pack_embedding(record.source_text_hash, vector))
         if previous is not None:
             # every writer past ``previous`` writes the same value: idempotent, and set before the head moves
             self.tier.set(tier_key("p", tenant, memory_id, previous["v"]), previous["w"].encode())
@@ -531,8 +634,10 @@ class MemoryStore:
         if head is None or head["deleted"]:
             return None
         record = self._read_record(tenant, memory_id, head["v"], head["w"])
-        if record is None or record.is_expired(time.time()):
+        if record is None or record.is_expired(self.now()):
             return None
+        if record.item is not None and not owns(self.tier, record):
+            return None  # an item's memory lives only while its row names it: the row is the truth
         return replace(record, fragment_source=self)
 
     def _with_access(self, record: MemoryRecord) -> MemoryRecord:
@@ -544,8 +649,12 @@ class MemoryStore:
         )
 
     def _touch(self, record: MemoryRecord) -> MemoryRecord:
-        now = time.time()
-        count = self.tier.incr(tier_key("ac", record.tenant, record.id))
+        now = self.now()
+        try:
+            count = self.tier.incr(tier_key("ac", record.tenant, record.id))
+        except CorruptRecordError as exc:  # a tampered counter costs the count, never the read; check() reports it
+            logger.warning("memory %s of %r: %s", record.id, record.tenant, exc)
+            count = 0
         self.tier.set(tier_key("al", record.tenant, record.id), repr(now).encode())
         return replace(record, access_count=count, last_access=now)
 
@@ -559,6 +668,8 @@ class MemoryStore:
         if head["deleted"]:
             return IndexedState(head["v"], None, None)
         record = self._read_record(tenant, memory_id, head["v"], head["w"])
+        if record is not None and not record.indexed:
+            return IndexedState(head["v"], None, None)
         embedding = unpack_embedding(
             self._get_row(tier_key("e", tenant, memory_id, head["v"], head["w"])), self.index.dimension
         )

@@ -28,7 +28,12 @@ class MemoryRecord:
     :param score: the search similarity, on records returned by a search.
     :param access_count: ``last_access``: reads through :meth:`MemoryStore.get` and searches
         that returned it, across every version of the memory.
-    :param expires_at: Unix time after which the memory is treated as deleted (``None``: never).
+    :param expires_at: Unix time, by the store's tier clock, after which the memory is treated
+        as deleted (``None``: never).
+    :param indexed: whether the memory is embedded and found by search; ``False`` keeps it out
+        of every search and recall (its text is never sent to the embedder).
+    :param item: for the memory of a named item, the key of the item row that owns it: the
+        memory is live only while that row names it.
     """
 
     id: str
@@ -41,6 +46,8 @@ class MemoryRecord:
     importance_score: float = 0.5
     semantic_keywords: tuple[str, ...] = ()
     expires_at: float | None = None
+    indexed: bool = True
+    item: str | None = None
     status: str = "live"
     access_count: int = 0
     last_access: float | None = None
@@ -63,9 +70,13 @@ class MemoryRecord:
         """
         try:
             data = json.loads(raw)
-        except (UnicodeDecodeError, ValueError) as exc:
+        except (UnicodeDecodeError, ValueError, RecursionError) as exc:
             raise StoreError(f"stored record is not valid JSON: {exc}") from None
-        if not isinstance(data, dict) or set(data) != set(_STORED):
+        if not isinstance(data, dict):
+            raise StoreError("stored record does not have the expected fields")
+        # records written before these fields existed are indexed and no item's
+        data = {"indexed": True, "item": None, **data}
+        if set(data) != set(_STORED):
             raise StoreError("stored record does not have the expected fields")
         checks = {
             "id": lambda v: isinstance(v, str) and v,
@@ -78,6 +89,8 @@ class MemoryRecord:
             "importance_score": _finite,
             "semantic_keywords": lambda v: isinstance(v, list) and all(isinstance(k, str) for k in v),
             "expires_at": lambda v: v is None or _finite(v),
+            "indexed": lambda v: isinstance(v, bool),
+            "item": lambda v: v is None or (isinstance(v, str) and v.startswith("i/")),
         }
         for name, check in checks.items():
             if not check(data[name]):

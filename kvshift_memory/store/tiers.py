@@ -8,8 +8,10 @@
 - :class:`RedisTier`: ``redis://`` for processes and machines sharing one memory.
 
 Keys are ``str``, values ``bytes``. The store only needs: read, write,
-compare-and-set, delete, a counter, an append-only log and a prefix scan. Every one of them is
-atomic on its own, so no process holds a lock that another would wait on.
+compare-and-set, delete, a counter, an append-only log, a prefix scan and a clock. Every one of
+them is atomic on its own, so no process holds a lock that another would wait on. The clock is the
+tier's own (the server's for Redis, the operating system's for a folder that one machine shares),
+so every writer judges an age by the same clock, whatever its own says.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import os
 import re
 import sqlite3
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Iterator
 from typing import Protocol
@@ -69,6 +72,9 @@ class KVTier(Protocol):
         """Entries ``start...`` of a log, in order."""
 
     def scan(self, prefix: str) -> Iterator[str]: ...
+
+    def now(self) -> float:
+        """The tier's clock, in Unix seconds: the one every writer of this tier shares."""
 
     def close(self) -> None: ...
 
@@ -134,7 +140,10 @@ class HotTier:
 
     def incr(self, key: str) -> int:
         with self._lock:
-            value = int(self._data.get(key, b"0")) + 1
+            current = self._data.get(key, b"0")
+            if not current.isdigit():
+                raise CorruptRecordError(f"counter {key!r} holds {current[:32]!r}, not a number")
+            value = int(current) + 1
             self._data[key] = str(value).encode()
             return value
 
@@ -151,6 +160,9 @@ class HotTier:
     def scan(self, prefix: str) -> Iterator[str]:
         with self._lock:
             return iter([key for key in self._data if key.startswith(prefix)])
+
+    def now(self) -> float:
+        return time.time()  # one process: its clock is every writer's
 
     def clear(self) -> None:
         with self._lock:
@@ -283,7 +295,17 @@ class DiskTier:
 
     def incr(self, key: str) -> int:
         with self._errors("incr"):
-            return self._cache.incr(key)
+            try:
+                return self._cache.incr(key)
+            except TypeError:  # diskcache adds 1 to what the row holds: bytes where a count was
+                raise CorruptRecordError(f"counter {key!r} of the disk tier does not hold a number") from None
+
+    def now(self) -> float:
+        # SQLite reads the operating system's clock, which every process on this machine shares;
+        # a process's own time.time() may be patched, skewed or paused
+        with self._errors("now"):
+            ((seconds,),) = self._cache._sql("SELECT (julianday('now') - 2440587.5) * 86400.0").fetchall()  # noqa: SLF001
+        return float(seconds)
 
     def append(self, log: str, value: bytes) -> int:
         value = _as_bytes(value)
@@ -380,7 +402,16 @@ class RedisTier:
         return bool(self._call("delete", key))
 
     def incr(self, key: str) -> int:
-        return int(self._call("incr", key))
+        try:
+            return int(self._call("incr", key))
+        except StoreError as exc:
+            if "not an integer" in str(exc):
+                raise CorruptRecordError(f"counter {key!r} in Redis does not hold a number") from None
+            raise
+
+    def now(self) -> float:
+        seconds, microseconds = self._call("time")
+        return float(seconds) + float(microseconds) / 1e6
 
     def append(self, log: str, value: bytes) -> int:
         return int(self._call("rpush", log, _as_bytes(value))) - 1
@@ -390,7 +421,15 @@ class RedisTier:
 
     def scan(self, prefix: str) -> Iterator[str]:
         pattern = "".join(f"[{c}]" if c in "*?[]\\" else c for c in prefix) + "*"
-        return (key.decode() for key in self._call("scan_iter", match=pattern, count=1000))
+        return self._decoded(self._call("scan_iter", match=pattern, count=1000))
+
+    def _decoded(self, keys: Iterator[bytes]) -> Iterator[str]:
+        """Keys as text; one that is not UTF-8 was written by no store (a planted or foreign key) and is skipped."""
+        for key in keys:
+            try:
+                yield key.decode("utf-8")
+            except UnicodeDecodeError:
+                logger.warning("skipping a Redis key that is not UTF-8: %r", key[:64])
 
     def close(self) -> None:
         self._client.close()

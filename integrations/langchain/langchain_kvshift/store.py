@@ -8,9 +8,18 @@
 
 Namespaces map to tenants: the label at ``tenant_at`` (default the first, as in
 ``("alice", "memories")``) is the tenant, so one user's items are never read, searched or listed
-through another user's namespace. An item's text (what is embedded, recalled and given K/V) is
-the first string among its value's ``text_fields``, or the fields a put's ``index`` names, or the
-value as JSON.
+through another user's namespace. LangMem's layout, ``("memories", user_id)``, names the user
+second: give it ``tenant_at=1`` (``docs/integrations.md``). With the default every user of that
+layout shares the tenant ``"memories"``: searches still keep to the namespace asked for (the
+namespace filter runs before the cut to ``limit``), but the tenant's isolation, statistics and
+caches are then one for all of them.
+
+An item's text (what is embedded, recalled and given K/V) is the first string among its value's
+``text_fields``, or the fields a put's ``index`` names, or the value as JSON; ``index=False``
+stores the item without embedding it (search never finds it, recall never shows it).
+
+A namespace prefix too short to name a tenant (``search(())``, ``list_namespaces()``) is an
+administrator's view: it reaches every tenant's items, as LangGraph's own stores do.
 """
 
 from __future__ import annotations
@@ -37,7 +46,7 @@ from langgraph.store.base import (
 
 from kvshift_memory import InvalidInputError, MemoryStore
 from kvshift_memory.adapters import Item as StoredItem
-from kvshift_memory.adapters import delete_item, get_item, item_of, list_items, put_item
+from kvshift_memory.adapters import delete_item, get_item, item_of, item_tenants, list_items, put_item
 
 __all__ = ["KVShiftStore"]
 
@@ -168,16 +177,40 @@ class KVShiftStore(BaseStore):
             delete_item(self.memory_store, tenant, op.namespace, op.key)
             return
         value = dict(op.value)
-        put_item(self.memory_store, tenant, op.namespace, op.key, value, self._text(value, op.index))
+        put_item(
+            self.memory_store,
+            tenant,
+            op.namespace,
+            op.key,
+            value,
+            self._text(value, op.index),
+            index=op.index is not False,
+        )
 
     def _search(self, op: SearchOp) -> list[SearchItem]:
         prefix = tuple(op.namespace_prefix)
         wanted = op.offset + op.limit
         if op.query:
-            tenant = self.tenant_of(prefix)
-            k = min(_MAX_CANDIDATES, 4 * wanted + 16)  # hits in other namespaces of the tenant are skipped
-            hits = self.memory_store.search(op.query, tenant=tenant, k=k)
-            found = [(item, hit.score) for hit in hits if (item := item_of(self.memory_store, hit)) is not None]
+            tenants = (
+                [self.tenant_of(prefix)] if len(prefix) > self.tenant_at else sorted(item_tenants(self.memory_store))
+            )
+            items: dict[str, StoredItem] = {}
+
+            def in_scope(record: Any) -> bool:
+                item = item_of(self.memory_store, record)
+                if item is None or item.namespace[: len(prefix)] != prefix or not _matches(item.value, op.filter):
+                    return False
+                items[record.id] = item
+                return True
+
+            found = [
+                (items[hit.id], hit.score)
+                for tenant in tenants
+                for hit in self.memory_store.search(
+                    op.query, tenant=tenant, k=min(_MAX_CANDIDATES, wanted), where=in_scope
+                )
+            ]
+            found.sort(key=lambda pair: -(pair[1] or 0.0))
         else:
             owner = self.tenant_of(prefix) if len(prefix) > self.tenant_at else None
             listed = sorted(list_items(self.memory_store, owner), key=lambda item: item.updated_at, reverse=True)

@@ -54,17 +54,15 @@ def test_put_get_search_delete_round_trip_with_namespace_isolation(memory_store)
     assert "budget" not in {hit.key for hit in store.search(("alice",), query="budget Lisbon")}
 
 
-def test_a_put_again_is_a_new_version_and_a_put_after_delete_a_new_memory(memory_store):
+def test_a_put_again_replaces_the_memory_and_a_put_after_delete_makes_a_new_one(memory_store):
     store = KVShiftStore(memory_store)
     store.put(("alice", "m"), "city", {"text": "Alice lives in Porto."})
     first = get_item(memory_store, "alice", ("alice", "m"), "city").memory
     store.put(("alice", "m"), "city", {"text": "Alice lives in Lisbon now."})
     second = get_item(memory_store, "alice", ("alice", "m"), "city").memory
-    assert (second.id, second.version) == (first.id, 2)
-    assert [r.text for r in memory_store.history(first.id, tenant="alice")] == [
-        "Alice lives in Porto.",
-        "Alice lives in Lisbon now.",
-    ]
+    # the item row moves to a new memory in one compare-and-set: no reader sees the text ahead of the value
+    assert second.id != first.id and memory_store.get(first.id, tenant="alice") is None
+    assert [r.text for r in memory_store.search("where does Alice live", tenant="alice", k=5)] == [second.text]
     store.delete(("alice", "m"), "city")
     store.put(("alice", "m"), "city", {"text": "Alice lives in Madrid."})
     third = get_item(memory_store, "alice", ("alice", "m"), "city").memory
@@ -90,7 +88,6 @@ def test_async_operations_and_the_batch_run_in_order(memory_store):
         (lambda s: s.put(("alice",), "k", {"text": float("nan")}), "JSON"),
         (lambda s: s.put(("alice",), "k", {"blob": "x" * (2 << 20)}), "bytes"),
         (lambda s: s.put(("alice",), "k", {"text": "x"}, ttl=5), "TTL"),
-        (lambda s: s.search((), query="anything"), "tenant"),
         (lambda s: s.search(("alice",), filter={"kind": {"$regex": "x"}}), "operator"),
     ],
 )
@@ -108,13 +105,63 @@ def test_tampered_rows_are_ignored_never_followed(memory_store):
     store.put(("bob", "m"), "b", {"text": "Bob likes jazz."})
     bob_memory = get_item(memory_store, "bob", ("bob", "m"), "b").memory
     alice_row = next(key for key in memory_store.tier.scan("i/alice/"))
-    # Bob's search hit pointed at Alice's row: never followed across tenants
-    memory_store.tier.set(f"ir/bob/{bob_memory.id}", alice_row.encode())
+    # Bob's memory names Alice's row as its item: never followed across tenants
+    (record_key,) = memory_store.tier.scan(f"r/bob/{bob_memory.id}/")
+    forged = json.loads(memory_store.tier.get(record_key))
+    memory_store.tier.set(record_key, json.dumps({**forged, "item": alice_row}).encode())
     assert store.search(("bob",), query="secret") == []
     memory_store.tier.set(alice_row, b"{not json")
     assert store.get(("alice", "m"), "a") is None and store.search(("alice",)) == []
     memory_store.tier.set(alice_row, json.dumps({"id": "../../etc", "namespace": ["alice", "m"], "key": "a"}).encode())
     assert store.get(("alice", "m"), "a") is None
+
+
+def test_langmems_layout_finds_a_users_item_among_a_hundred_others(memory_store):
+    """LangMem keeps every user under ("memories", user_id): with the default tenant_at the users share
+    one tenant, and a search of one user's namespace must still find that user's item at limit 1."""
+    store = KVShiftStore(memory_store)
+    for user in range(100):
+        store.put(("memories", f"user{user}"), "home", {"content": f"User {user} lives in Lisbon near the river."})
+    store.put(("memories", "alice"), "home", {"content": "Alice lives in Porto near the bridge."})
+    hits = store.search(("memories", "alice"), query="where does this user live", limit=1)
+    assert [(hit.namespace, hit.value["content"]) for hit in hits] == [
+        (("memories", "alice"), "Alice lives in Porto near the bridge.")
+    ]
+    # the documented setting: the user's label is the tenant
+    per_user = KVShiftStore(memory_store, tenant_at=1)
+    per_user.put(("memories", "bob"), "home", {"content": "Bob lives in Faro."})
+    assert [hit.key for hit in per_user.search(("memories", "bob"), query="where does Bob live", limit=1)] == ["home"]
+    assert per_user.search(("memories", "carol"), query="where does Bob live") == []
+
+
+def test_an_admin_view_reaches_every_tenant(memory_store):
+    store = KVShiftStore(memory_store)
+    store.put(("alice", "m"), "a", {"text": "Alice plays the cello."})
+    store.put(("bob", "m"), "b", {"text": "Bob plays the drums."})
+    found = store.search((), query="which instrument", limit=10)
+    assert {(hit.namespace[0], hit.key) for hit in found} == {("alice", "a"), ("bob", "b")}
+    assert [hit.score for hit in found] == sorted((hit.score for hit in found), reverse=True)
+    assert {hit.key for hit in store.search(())} == {"a", "b"}
+    assert store.list_namespaces() == [("alice", "m"), ("bob", "m")]
+
+
+def test_a_put_with_index_false_is_stored_but_never_embedded_or_found(memory_store):
+    embedded: list[str] = []
+    real_embed = memory_store.embedder.embed
+
+    def counting(texts):
+        embedded.extend(texts)
+        return real_embed(texts)
+
+    memory_store.embedder.embed = counting
+    store = KVShiftStore(memory_store)
+    store.put(("alice", "m"), "pin", {"text": "My bank PIN is 4821."}, index=False)
+    assert embedded == []
+    assert store.get(("alice", "m"), "pin").value == {"text": "My bank PIN is 4821."}
+    assert store.search(("alice",), query="bank PIN") == []
+    embedded.clear()  # the search embedded its query
+    store.put(("alice", "m"), "note", {"text": "Buy milk.", "secret": "do not embed"}, index=["text"])
+    assert embedded == ["Buy milk."]
 
 
 SYSTEM = (

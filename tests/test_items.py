@@ -1,0 +1,196 @@
+"""Items (named memories, the layer under LangGraph's store): a put and a delete change an item as
+one, racing writers leave no orphan, and ``index=False`` keeps a value away from the embedder."""
+
+from __future__ import annotations
+
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+from kvshift_memory.adapters import delete_item, get_item, item_of, item_tenants, list_items, put_item
+from kvshift_memory.exceptions import InvalidInputError
+from kvshift_memory.store import MemoryStore
+from kvshift_memory.store.layout import parse_head, split_key
+
+sys.path.insert(0, str(Path(__file__).parent))
+from store_worker import HashEmbedder  # noqa: E402
+
+
+class CountingEmbedder(HashEmbedder):
+    """Counts every text it is given: what reaches the embedder (a remote API, for some users)."""
+
+    def __init__(self) -> None:
+        self.texts: list[str] = []
+
+    def embed(self, texts):
+        self.texts.extend(texts)
+        return super().embed(texts)
+
+
+def live_memories(store: MemoryStore, tenant: str) -> list[str]:
+    """Ids of every memory of ``tenant`` whose head is live, read from the tier (visible or not)."""
+    ids = []
+    for key in store.tier.scan(f"h/{tenant}/"):
+        head = parse_head(store.tier.get(key))
+        if head is not None and not head["deleted"]:
+            ids.append(split_key(key)[2])
+    return ids
+
+
+def later(store: MemoryStore, seconds: float) -> None:
+    """Move the store's tier clock ``seconds`` ahead (what gc and check() judge ages by)."""
+    real_now = type(store.tier).now
+    store.tier.now = lambda: real_now(store.tier) + seconds  # type: ignore[method-assign]
+
+
+def test_a_put_replaces_the_memory_and_the_row_is_the_truth(make_store):
+    store = make_store(embedder=HashEmbedder())
+    first = put_item(store, "alice", ("notes",), "city", {"text": "Alice lives in Porto."}, "Alice lives in Porto.")
+    second = put_item(store, "alice", ("notes",), "city", {"text": "Alice lives in Lisbon."}, "Alice lives in Lisbon.")
+    assert second.memory.id != first.memory.id
+    assert store.get(first.memory.id, tenant="alice") is None  # the old text is never recalled again
+    assert [r.text for r in store.search("where does Alice live", tenant="alice", k=5)] == ["Alice lives in Lisbon."]
+    assert get_item(store, "alice", ("notes",), "city").value == {"text": "Alice lives in Lisbon."}
+    # a value changed, text the same: the memory stays
+    third = put_item(
+        store, "alice", ("notes",), "city", {"text": "Alice lives in Lisbon.", "since": 2024}, second.memory.text
+    )
+    assert third.memory.id == second.memory.id and third.created_at == first.created_at
+    assert live_memories(store, "alice") == [second.memory.id]
+    assert item_tenants(store) == {"alice"}
+
+
+def test_index_false_never_reaches_the_embedder_nor_search(make_store):
+    embedder = CountingEmbedder()
+    store = make_store(embedder=embedder)
+    put_item(store, "alice", ("notes",), "pin", {"pin": "4821"}, '{"pin": "4821"}', index=False)
+    assert embedder.texts == []
+    item = get_item(store, "alice", ("notes",), "pin")
+    assert item is not None and item.value == {"pin": "4821"} and not item.memory.indexed
+    put_item(store, "alice", ("notes",), "city", {"text": "Alice lives in Porto."}, "Alice lives in Porto.")
+    assert [r.text for r in store.search("pin 4821", tenant="alice", k=10)] == ["Alice lives in Porto."]
+    assert store.check().ok and embedder.texts == ["Alice lives in Porto.", "pin 4821"]
+    # indexing it later embeds it then
+    put_item(store, "alice", ("notes",), "pin", {"pin": "4821"}, '{"pin": "4821"}')
+    assert '{"pin": "4821"}' in embedder.texts
+    with pytest.raises(InvalidInputError):
+        put_item(store, "alice", ("notes",), "pin", {"pin": "1"}, "x", index="no")  # type: ignore[arg-type]
+
+
+def test_racing_put_and_delete_leave_one_truth_and_no_orphan(make_store):
+    """600 rounds: one thread puts a key while another deletes it; no undocumented error, the item
+    is whole or gone, recall never shows a deleted item, and no memory is left that no item names."""
+    store = make_store(embedder=HashEmbedder())
+    errors: list[BaseException] = []
+    for trial in range(600):
+        before, after = f"Round {trial}: the code is 1234.", f"Round {trial}: the code is 5678."
+        put_item(store, "alice", ("notes",), "code", {"text": before}, before)
+        start = threading.Barrier(2)
+
+        def put(start=start, text=after) -> None:
+            start.wait()
+            try:
+                put_item(store, "alice", ("notes",), "code", {"text": text}, text)
+            except BaseException as exc:  # noqa: BLE001 - every error is counted
+                errors.append(exc)
+
+        def delete(start=start) -> None:
+            start.wait()
+            try:
+                delete_item(store, "alice", ("notes",), "code")
+            except BaseException as exc:  # noqa: BLE001
+                errors.append(exc)
+
+        threads = [threading.Thread(target=put), threading.Thread(target=delete)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        item = get_item(store, "alice", ("notes",), "code")
+        shown = [
+            r.text for r in store.search(f"Round {trial} code", tenant="alice", k=5) if f"Round {trial}:" in r.text
+        ]
+        if item is None:
+            assert shown == [], f"round {trial}: recall shows a deleted item"
+        else:
+            assert item.value["text"] == item.memory.text == after and shown == [after]
+    assert errors == []
+    later(store, 3600)  # past gc's grace: whatever a refused writer left is collected
+    store.gc()
+    named = {item.memory.id for item in list_items(store, "alice")}
+    assert set(live_memories(store, "alice")) == named
+
+
+def test_a_memory_no_row_names_is_invisible_and_gc_removes_it_after_the_grace(make_store):
+    """What a put killed before publishing leaves: invisible at once, collected once it is old."""
+    store = make_store(embedder=HashEmbedder())
+    put_item(store, "alice", ("notes",), "code", {"text": "The code is 1234."}, "The code is 1234.")
+    row_key = next(iter(store.tier.scan("i/alice/")))
+    orphan = store._add(  # noqa: SLF001 - what put_item does before it publishes the row
+        "The code is 9999.",
+        tenant="alice",
+        session_id=None,
+        importance_score=0.5,
+        semantic_keywords=(),
+        ttl_s=None,
+        index=True,
+        item=row_key,
+    )
+    assert store.get(orphan.id, tenant="alice") is None
+    assert "The code is 9999." not in [r.text for r in store.search("code", tenant="alice", k=5)]
+    store.gc()
+    assert orphan.id in live_memories(store, "alice"), "a put in flight must keep its memory"
+    later(store, 3600)
+    store.gc()
+    assert orphan.id not in live_memories(store, "alice")
+    assert get_item(store, "alice", ("notes",), "code").memory.text == "The code is 1234."
+
+
+def test_a_put_stalled_past_the_grace_is_fenced_and_writes_again(make_store):
+    store = make_store(embedder=HashEmbedder())
+    put_item(store, "alice", ("notes",), "code", {"text": "The code is 1234."}, "The code is 1234.")
+    real_cas = store.tier.compare_and_set
+    stalled = []
+
+    def stall_first_row_publish(key, expected, value):
+        if key.startswith("i/") and not stalled:
+            stalled.append(key)
+            later(store, 3600)  # the writer sleeps past the grace; gc runs meanwhile
+            store.gc()
+        return real_cas(key, expected, value)
+
+    store.tier.compare_and_set = stall_first_row_publish  # type: ignore[method-assign]
+    item = put_item(store, "alice", ("notes",), "code", {"text": "The code is 5678."}, "The code is 5678.")
+    assert stalled
+    got = get_item(store, "alice", ("notes",), "code")
+    assert got is not None and got.memory.id == item.memory.id and got.memory.text == "The code is 5678."
+    assert set(live_memories(store, "alice")) == {item.memory.id}
+
+
+def test_items_refuse_values_too_deep_for_json(make_store):
+    store = make_store(embedder=HashEmbedder())
+    deep: dict = {}
+    node = deep
+    for _ in range(5000):
+        node["x"] = {}
+        node = node["x"]
+    with pytest.raises(InvalidInputError, match="nested too deeply"):
+        put_item(store, "alice", ("notes",), "deep", deep, "deep")
+    assert list(list_items(store, "alice")) == []
+
+
+def test_a_forged_item_field_never_reaches_another_tenants_row(make_store):
+    import json
+
+    store = make_store(embedder=HashEmbedder())
+    put_item(store, "alice", ("m",), "a", {"text": "Alice's secret is 77."}, "Alice's secret is 77.")
+    bob = put_item(store, "bob", ("m",), "b", {"text": "Bob likes jazz."}, "Bob likes jazz.").memory
+    alice_row = next(iter(store.tier.scan("i/alice/")))
+    (record_key,) = store.tier.scan(f"r/bob/{bob.id}/")
+    forged = json.loads(store.tier.get(record_key))
+    forged["item"] = alice_row
+    store.tier.set(record_key, json.dumps(forged).encode())
+    assert store.get(bob.id, tenant="bob") is None  # the row it names is not Bob's: not live
+    assert item_of(store, store.search("secret", tenant="alice", k=1)[0]).value["text"] == "Alice's secret is 77."
