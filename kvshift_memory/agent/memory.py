@@ -2,7 +2,9 @@
 
 One turn (:meth:`AgentMemory.chat`):
 
-1. *corrections*: a message worded as a correction supersedes the closest stored memory;
+1. *corrections*: a message worded as a correction supersedes the one stored memory about the
+   same subject that holds the value it negates; when no single memory is clearly that one, it
+   changes nothing and is stored as a statement (``"correction_ambiguous"``);
 2. *recall*: the store's two paths (embedding and keywords) search all of the user's sessions;
    memories already visible in the window are left out, this session's are ranked a little higher;
 3. *assembly*: ``[system] + [window turns, each user message with the memories recalled for it] +
@@ -33,8 +35,16 @@ from typing import Any, Literal, overload
 from .. import inputs
 from ..exceptions import InvalidInputError, MemoryNotFoundError, SessionBusyError
 from ..protocols import Engine, Store
-from .corrections import is_correction_cue
-from .recall import archive, archived_text, forget_closest, last_sentence, recall, similarity
+from .recall import (
+    archive,
+    archived_text,
+    find_correction,
+    forget_closest,
+    last_sentence,
+    recall,
+    similarity,
+    store_once,
+)
 from .settings import AgentSettings
 from .turns import STREAM_END, Reply, ReplyStream, StreamFailure, Turn, TurnPlan
 from .writeback import Decision, WriteBackModel, explicit_request
@@ -94,8 +104,10 @@ class AgentMemory:
         :raises InvalidInputError: empty, over-long or non-text input.
         :raises StoreError: the store refused the write.
         """
-        record = self.store.add(
-            text, tenant=self.user_id, session_id=self.session_id, importance_score=importance_score
+        text = inputs.check_text(text, "text")
+        importance_score = inputs.check_ratio(importance_score, "importance_score")
+        record = store_once(
+            self.store, text, user_id=self.user_id, session_id=self.session_id, importance_score=importance_score
         )
         self._warm([record])
         return record
@@ -111,7 +123,7 @@ class AgentMemory:
         """
         text = inputs.check_text(text, "text")
         if memory_id is None:
-            target = self._correction_target(text, require_cue=False)
+            target = self._closest(text)
             if target is None:
                 raise MemoryNotFoundError("no stored memory is close enough to that correction")
         else:
@@ -188,19 +200,19 @@ class AgentMemory:
     def observe(self, text: str) -> Any:
         """Write back a turn the agent did not answer: an imported transcript, another participant.
 
-        The turn is classified like a chat turn (and a correction supersedes like one); it does
-        not enter the working window and nothing is generated.
+        The turn is classified like a chat turn; it does not enter the working window and nothing
+        is generated. Another participant's words never change a memory: a turn worded as a
+        correction or a request to forget is stored as a statement, and changes nothing.
 
-        :returns: the memory it was archived as (or a correction's new version), else ``None``.
+        :returns: the memory it was archived as, else ``None``.
         :raises InvalidInputError: empty, non-text or over-long text.
         :raises StoreError: the store could not be searched or written.
         """
         text = inputs.check_text(text, "text")
         self._acquire(stream=False)
         try:
-            # a transcript's "forget about it" is someone's words, not a request to this memory
-            _, correction = self._apply_correction(text)
-            _, _, archived = self._write_back(text, correction, None, window=False)
+            # a transcript's "forget about it" or "actually it's not 4321" is someone's words, not the user's
+            _, _, archived = self._write_back(text, None, None, window=False)
             self._previous = text
             return archived
         finally:
@@ -367,16 +379,29 @@ class AgentMemory:
         return seen
 
     def _write_back(
-        self, text: str, correction: Any, forget: tuple[Decision, Any] | None, *, window: bool
+        self,
+        text: str,
+        correction: Any,
+        forget: tuple[Decision, Any] | None,
+        *,
+        window: bool,
+        ambiguous_correction: bool = False,
     ) -> tuple[float, Decision, Any]:
         """Classify a finished turn and archive it when it carries information.
 
         A correction was already stored as the new version of the memory it corrects, and a
         request to forget already deleted what it named (``forget``): neither is archived again.
-        ``window``: a deferred turn waits in the window (else it is archived now).
+        A correction that matched no single memory (``ambiguous_correction``) is stored as a
+        statement of its own. ``window``: a deferred turn waits in the window (else it is archived now).
         """
         if forget is not None:
             return 0.0, forget[0], forget[1]
+        if ambiguous_correction and self.settings.write_back:
+            importance = self.writeback.importance(text, self._previous)
+            record = store_once(
+                self.store, text, user_id=self.user_id, session_id=self.session_id, importance_score=importance
+            )
+            return importance, "correction_ambiguous", record
         if correction is not None:
             if self.settings.reuse == "blend":
                 self._warm([correction])
@@ -421,15 +446,21 @@ class AgentMemory:
             self._window = _forgetting(self._window, forgotten)
         return decision, forgotten
 
-    def _apply_correction(self, text: str) -> tuple[Any, Any]:
-        """When ``text`` corrects a stored memory, supersede it and take it out of the window.
+    def _apply_correction(self, text: str) -> tuple[Any, Any, bool]:
+        """When ``text`` corrects one stored memory (:func:`find_correction`), supersede it and
+        take it out of the window.
 
-        :returns: (the version corrected, its new version), or ``(None, None)``.
+        :returns: (the version corrected, its new version, whether ``text`` was worded as a
+            correction that matched no single memory).
         """
-        corrected = self._correction_target(text)
+        if not self.settings.write_back:
+            return None, None, False
+        decision, corrected = find_correction(
+            self.store, text, user_id=self.user_id, min_score=self.settings.correction_min_score
+        )
         if corrected is None:
-            return None, None
-        return corrected, self._supersede(corrected, text)
+            return None, None, decision == "correction_ambiguous"
+        return corrected, self._supersede(corrected, text), False
 
     def _supersede(self, target: Any, text: str) -> Any:
         """Store ``text`` as the new version of ``target``; no window turn shows the old one any more."""
@@ -438,9 +469,8 @@ class AgentMemory:
         self._window = [_without(turn, target) for turn in self._window]
         return new
 
-    def _correction_target(self, message: str, require_cue: bool = True) -> Any:
-        if require_cue and not (self.settings.write_back and is_correction_cue(message)):
-            return None
+    def _closest(self, message: str) -> Any:
+        """The stored memory closest to ``message``, when close enough (an explicit :meth:`correct`)."""
         hits = self.store.search(message, tenant=self.user_id, k=1)
         if hits and similarity(hits[0]) >= self.settings.correction_min_score:
             return hits[0]
@@ -469,7 +499,7 @@ class AgentMemory:
     def _plan(self, message: str, max_new_tokens: int) -> TurnPlan:
         started = time.perf_counter()
         forget = self._apply_forget(message)
-        corrected, correction = (None, None) if forget else self._apply_correction(message)
+        corrected, correction, ambiguous = (None, None, False) if forget else self._apply_correction(message)
         turns = list(self._window)
         exclude = self._visible(turns)
         if correction is not None:
@@ -495,7 +525,9 @@ class AgentMemory:
             user["memories"] = recalled
         messages.append(user)
         retrieval_s = time.perf_counter() - started
-        return TurnPlan(message, recalled, corrected, correction, forget, turns, evicted, messages, retrieval_s)
+        return TurnPlan(
+            message, recalled, corrected, correction, forget, turns, evicted, messages, retrieval_s, ambiguous
+        )
 
     def _commit(self, plan: TurnPlan, result: Any, text: str, stats: Any) -> Reply:
         """Write the finished turn back: window, archive, stats. Runs once per turn, under the lock."""
@@ -504,7 +536,9 @@ class AgentMemory:
             if evicted.decision == "defer" and evicted.archived is None:
                 self._archive_deferred(evicted)
         previous = self._previous
-        importance, decision, archived = self._write_back(plan.message, plan.correction, plan.forget, window=True)
+        importance, decision, archived = self._write_back(
+            plan.message, plan.correction, plan.forget, window=True, ambiguous_correction=plan.ambiguous_correction
+        )
         turn = Turn(
             user=plan.message,
             recalled=tuple(plan.recalled),

@@ -14,7 +14,8 @@ from typing import Any
 from ..exceptions import VersionConflictError
 from ..protocols import Store
 from ..store.memory_store import MAX_SEARCH_K
-from ..store.records import MemoryRecord
+from ..store.records import MemoryRecord, text_hash
+from .corrections import corrects, is_correction_cue
 from .writeback import Decision, WriteBackModel, explicit_request, forget_subject, is_question_only
 
 __all__ = [
@@ -23,10 +24,12 @@ __all__ = [
     "MAX_ARCHIVED_CHARS",
     "archive",
     "archived_text",
+    "find_correction",
     "forget_closest",
     "last_sentence",
     "recall",
     "similarity",
+    "store_once",
 ]
 
 # a turn longer than this is a document pasted in, not something said: the application stores
@@ -38,6 +41,9 @@ FORGET_MIN_SCORE = 0.35
 # removes neither: the user is told, and names one more precisely)
 FORGET_MARGIN = 0.05
 
+# stored memories a correction is checked against (the nearest ones; it supersedes one only when
+# exactly one of them is about the same subject and holds the value it negates)
+_CORRECTION_CANDIDATES = 4
 # candidates fetched beyond k: some are shown already, some rank up with session and importance
 _RECALL_SPARE = 8
 # a question longer than this is not a short question a short answer needs to make sense
@@ -138,6 +144,46 @@ def forget_closest(
     return ("forget", hits[0]) if deleted else ("forget_ambiguous", None)
 
 
+def find_correction(
+    store: Store, message: str, *, user_id: str, min_score: float
+) -> tuple[Decision | None, MemoryRecord | None]:
+    """The memory of ``user_id`` that ``message`` corrects, when it is one.
+
+    A message worded as a correction (:func:`~kvshift_memory.agent.corrections.is_correction_cue`)
+    corrects a stored memory only when exactly one of the nearest ones (similarity at least
+    ``min_score``) is about the same person, attribute and time and holds the value it negates
+    (:func:`~kvshift_memory.agent.corrections.corrects`).
+
+    :returns: ``(None, None)`` for a message that is no correction; ``("archive", the memory)``
+        for the one it corrects; ``("correction_ambiguous", None)`` when none or several qualify
+        (nothing is to change: the message is stored as a statement of its own).
+    :raises StoreError: the store cannot be searched.
+    """
+    if not is_correction_cue(message):
+        return None, None
+    hits = store.search(message, tenant=user_id, k=_CORRECTION_CANDIDATES)
+    matching = [hit for hit in hits if similarity(hit) >= min_score and corrects(message, hit.text)]
+    return ("archive", matching[0]) if len(matching) == 1 else ("correction_ambiguous", None)
+
+
+def store_once(
+    store: Store, text: str, *, user_id: str, session_id: str | None, importance_score: float
+) -> MemoryRecord:
+    """``text`` as a memory of ``user_id``: the live memory that already holds exactly this text
+    (read again, so its last access is now), else a new one. A fact restated in another session
+    stays one memory.
+
+    :raises StoreError: the store cannot be read or written.
+    """
+    existing = store.find_by_hash(text_hash(text), tenant=user_id)
+    # an item's memory belongs to its item (a delete of the item would take this statement with it)
+    if existing is not None and existing.item is None:
+        refreshed = store.get(existing.id, tenant=user_id)
+        if refreshed is not None:
+            return refreshed
+    return store.add(text, tenant=user_id, session_id=session_id, importance_score=importance_score)
+
+
 def archive(
     rule: WriteBackModel,
     store: Store,
@@ -151,10 +197,13 @@ def archive(
 ) -> tuple[float, Decision, Any]:
     """Write back ``text``, a user's turn answering ``previous``, as ``rule`` decides.
 
-    "Remember …" always archives (importance 1); "forget …" deletes the closest memory
-    (:func:`forget_closest`) and archives nothing; any other turn is archived unless the rule finds
-    it content-free. A turn the rule defers (or a question that states nothing) is stored now
-    unless ``window`` says the caller keeps a working window that stores it when it leaves.
+    "Remember …" always archives (importance 1). "Forget …" deletes the closest memory
+    (:func:`forget_closest`) and archives nothing, once: the same request in the same session,
+    seen again (by another adapter instance, process or replay), deletes nothing more. A
+    question that states nothing is never stored. Any other turn is archived unless the rule
+    finds it content-free; a turn the rule defers is stored now unless ``window`` says the
+    caller keeps a working window that stores it when it leaves. A text the user's memory
+    already holds word for word is not stored twice (:func:`store_once`).
 
     :param previous: what the turn answers: :func:`last_sentence` of the assistant's reply, or
         the other participant's turn.
@@ -168,15 +217,18 @@ def archive(
         return 0.0, "window", None
     request = explicit_request(text) if requests else None
     if request == "forget":
+        # carried out once, whichever process or adapter instance sees the message (again) first
+        if not store.claim_once(f"forget\0{session_id}\0{text}", tenant=user_id):
+            return 0.0, "forget_ambiguous", None
         decision, forgotten = forget_closest(store, text, user_id=user_id)
         return 0.0, decision, forgotten
     importance = 1.0 if request == "remember" else rule.importance(text, previous)
     decision = "archive" if request == "remember" else rule.decide(importance)
-    if decision == "archive" and request is None and is_question_only(text):
-        decision = "defer"
+    if request is None and is_question_only(text):
+        decision = "window"
     if decision == "window" or (decision == "defer" and window):
         return importance, decision, None
-    record = store.add(
-        archived_text(text, previous), tenant=user_id, session_id=session_id, importance_score=importance
+    record = store_once(
+        store, archived_text(text, previous), user_id=user_id, session_id=session_id, importance_score=importance
     )
     return importance, "archive", record

@@ -31,8 +31,8 @@ class AgentSettings:
         (docs/benchmarks/writeback.md).
     :param recompute_ratio: the blend's share of recalled fragment tokens recomputed (``None``: the
         engine's default; 0 is shift only, which loses copied names and numbers).
-    :param correction_min_score: a correction supersedes the closest memory only when at least this
-        similar to it.
+    :param correction_min_score: a correction supersedes a memory only when at least this similar
+        to it (and about the same subject, holding the value it negates).
     :param busy_timeout_s: how long a call waits for another call on the same session to finish.
     :param write_back: ``False`` answers without remembering: no turn is archived or corrected
         (questions asked of a memory, as a benchmark asks them); the window still works.

@@ -48,7 +48,8 @@ class Reply:
         recomputed and prefilled tokens, fragments hit and missed).
     :param recalled: the memories recalled into this turn, most relevant last.
     :param decision: the write-back decision, a :data:`~kvshift_memory.agent.writeback.Decision`:
-        ``"archive"``, ``"defer"``, ``"window"``, ``"forget"`` or ``"forget_ambiguous"``.
+        ``"archive"``, ``"defer"``, ``"window"``, ``"forget"``, ``"forget_ambiguous"`` or
+        ``"correction_ambiguous"``.
     :param importance: the write-back classifier's importance of the turn.
     :param archived: the memory the message was archived as (or the correction's new version).
     :param corrected: the memory version this message superseded, when it was a correction.
@@ -92,6 +93,7 @@ class TurnPlan:
     evicted: list[Turn]
     messages: list[dict[str, Any]]
     retrieval_s: float
+    ambiguous_correction: bool = False  # worded as a correction, matched no single memory: changes nothing
 
 
 STREAM_END = object()

@@ -33,16 +33,20 @@ __all__ = [
     "turn_features",
 ]
 
-Decision = Literal["archive", "defer", "window", "forget", "forget_ambiguous"]
+Decision = Literal["archive", "defer", "window", "forget", "forget_ambiguous", "correction_ambiguous"]
 """What write-back did with a user's turn.
 
 - ``"archive"``: stored now (text and index entry; its fragment encoded now or on first recall);
 - ``"defer"``: kept in the window, stored when it leaves the window or the session closes (a
-  turn the rule is unsure of, or a question that states nothing: it matters while it is discussed);
-- ``"window"``: content-free, kept in the window only and never stored;
+  turn the rule is unsure of);
+- ``"window"``: kept in the window only and never stored: content-free, or a question that
+  states nothing (it matters while it is discussed; as a memory it would only come back as noise);
 - ``"forget"``: a request to forget, which removed the memory it named;
 - ``"forget_ambiguous"``: a request to forget that removed nothing (no stored memory was close
-  enough, or two were equally close).
+  enough, or two were equally close);
+- ``"correction_ambiguous"``: worded as a correction, but no single stored memory is clearly
+  about the same subject and holds the value it negates: stored as a statement of its own, and
+  nothing else changed.
 """
 
 FEATURES = (
@@ -96,10 +100,19 @@ _REMEMBER = re.compile(
     r"|for the record)\b",
     re.IGNORECASE,
 )
+# "forget …" is always about the memory; "delete/erase/wipe/remove …" only when what follows names
+# what the user told it (_ABOUT_MEMORY): "delete the draft email to John" is an instruction for a tool
 _FORGET = re.compile(
     r"^(?:(?:hey|ok|okay|so|and|also|actually|oh)[,!]?\s+)*(?:(?:please|pls|can you|could you|would you)\s+)?"
-    r"(?:forget|delete|erase|wipe)\s+(?P<subject>.+)$",
+    r"(?:(?P<forget>forget|unlearn|(?:don'?t|do not|stop) remember(?:ing)?)|(?P<delete>delete|erase|wipe|remove|clear))"
+    r"\s+(?P<subject>.+)$",
     re.IGNORECASE | re.DOTALL,
+)
+_ABOUT_MEMORY = re.compile(
+    r"^(?:(?:what|everything|anything|all)\s+(?:that\s+)?(?:I|we)\s+(?:said|told you|mentioned|wrote|shared)\b"
+    r"|(?:the|that|this|my)\s+(?:memory|memories|note|notes|fact|facts)\s+(?:about|of|that|on)\b)"
+    r"|\bfrom\s+(?:your|the|my)\s+(?:memory|memories|notes)\b",
+    re.IGNORECASE,
 )
 _SUBJECT_LEAD = re.compile(
     r"^(?:(?:what|everything|anything|all)\s+(?:that\s+)?(?:I|we)\s+(?:said|told you|mentioned|wrote|shared)\s+"
@@ -164,11 +177,22 @@ def explicit_request(text: str) -> Literal["remember", "forget"] | None:
 
 def forget_subject(text: str) -> str | None:
     """What a request to forget names ("delete what I said about the plumber" -> "the plumber"),
-    or ``None`` when ``text`` is no such request or names nothing ("forget it")."""
+    or ``None`` when ``text`` is no such request or names nothing ("forget it").
+
+    "Forget …" (and "don't remember …") is always a request to the memory. "Delete", "erase",
+    "wipe", "remove" and "clear" are one only when they name what the user told it ("what I said
+    about …", "the note about …", "… from your memory"): an imperative about a thing in the world
+    ("delete the draft email to John", "wipe the staging server") is meant for a tool and deletes
+    nothing.
+    """
     match = _FORGET.match(text.strip())
     if match is None:
         return None
-    subject = _SUBJECT_LEAD.sub("", match.group("subject").strip()).strip(" .!,;:")
+    named = match.group("subject").strip()
+    if match.group("delete") and not _ABOUT_MEMORY.search(named):
+        return None  # an imperative about a thing in the world, meant for a tool
+    named = re.sub(r"\s+from\s+(?:your|the|my)\s+(?:memory|memories|notes)\b", "", named, flags=re.IGNORECASE)
+    subject = _SUBJECT_LEAD.sub("", named).strip(" .!,;:")
     return subject if content_words(subject) else None
 
 

@@ -78,3 +78,40 @@ def test_the_human_message_is_written_back_when_the_rule_archives_it(store):
     stored = [r.text for r in store.search("new phone number and address", tenant="alice", k=5)]
     assert NEWS in stored and not any("4512" in text for text in stored)
     assert [r.session_id for r in store.search(NEWS, tenant="alice", k=1)] == ["today"]
+
+
+def test_instructions_meant_for_a_tool_delete_no_memory_through_an_agent(tmp_path):
+    """A create_agent agent with a tool bound and the middleware: six imperatives about things in the world."""
+    from langchain_core.tools import tool
+
+    @tool
+    def run_task(task: str) -> str:
+        """Carry out a task in the user's workspace."""
+        return "done"
+
+    memories = [
+        "John's email address is john@example.com.",
+        "The vault is in the staging server room.",
+        "The meeting notes are on the whiteboard.",
+        "The repo's old branch is called legacy.",
+        "My calendar for Friday has the dentist at 10.",
+        "The tmp folder holds the tax files.",
+    ]
+    instructions = [
+        "Delete the draft email to John.",
+        "Wipe the staging server and redeploy.",
+        "Erase the whiteboard notes before the meeting.",
+        "Remove the old branch from the repo.",
+        "Clear my calendar for Friday.",
+        "Please delete the files in the tmp folder.",
+    ]
+    with MemoryStore(tmp_path / "store") as store:
+        records = [store.add(text, tenant="alice") for text in memories]
+        agent = create_agent(
+            model=ChatKVShift(store=store, user_id="alice", max_tokens=12),
+            tools=[run_task],
+            middleware=[KVShiftMiddleware(store, "alice", "today")],
+        )
+        for instruction in instructions:
+            agent.invoke({"messages": [HumanMessage(instruction)]})
+        assert [store.get(r.id, tenant="alice") is not None for r in records] == [True] * 6
