@@ -59,6 +59,15 @@ def test_an_answer_cut_by_the_token_budget_says_so(bundled_engine):
     assert result.finish_reason == "length" and len(result.token_ids) == 3
 
 
+def _nested_schema(depth: int) -> dict:
+    schema: dict = {"type": "object"}
+    node = schema
+    for _ in range(depth):
+        node["properties"] = {"x": {"type": "object"}}
+        node = node["properties"]["x"]
+    return schema
+
+
 @pytest.mark.parametrize(
     "build, match",
     [
@@ -71,6 +80,8 @@ def test_an_answer_cut_by_the_token_budget_says_so(bundled_engine):
         (lambda: Grammar.lark(None), "string"),
         (lambda: Grammar.lark("start: " + '"a" ' * 400_000), "over the limit"),
         (lambda: Grammar.json_schema({"description": "x" * 1_100_000}), "over the limit"),
+        (lambda: Grammar.json_schema('{"properties": {"x": ' * 2000 + "{}" + "}}" * 2000), "nested too deeply"),
+        (lambda: Grammar.json_schema(_nested_schema(2000)), "nested too deeply"),
     ],
 )
 def test_bad_grammars_are_clear_errors(build, match):

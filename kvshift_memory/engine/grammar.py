@@ -46,17 +46,21 @@ class Grammar:
     def json_schema(cls, schema: dict[str, Any] | str) -> Grammar:
         """Answers that are one JSON value valid under ``schema`` (compact, no text around it).
 
-        :raises InvalidInputError: ``schema`` is not a JSON object or llguidance cannot compile it.
+        :raises InvalidInputError: ``schema`` is not a JSON object, is nested too deeply, or
+            llguidance cannot compile it.
         """
-        if isinstance(schema, str):
-            _check_size(schema)
-            try:
-                schema = json.loads(schema)
-            except json.JSONDecodeError as exc:
-                raise InvalidInputError(f"the JSON schema is not JSON: {exc}") from None
-        if not isinstance(schema, dict):
-            raise InvalidInputError(f"a JSON schema is a JSON object, not {type(schema).__name__}")
-        text = json.dumps(schema)
+        try:
+            if isinstance(schema, str):
+                _check_size(schema)
+                try:
+                    schema = json.loads(schema)
+                except json.JSONDecodeError as exc:
+                    raise InvalidInputError(f"the JSON schema is not JSON: {exc}") from None
+            if not isinstance(schema, dict):
+                raise InvalidInputError(f"a JSON schema is a JSON object, not {type(schema).__name__}")
+            text = json.dumps(schema)
+        except RecursionError:
+            raise InvalidInputError("the JSON schema is nested too deeply") from None
         _check_size(text)
         options = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
         try:

@@ -200,11 +200,11 @@ def test_a_memory_over_a_persisted_chat_store_continues_the_conversation_after_a
         chat.chat(turn)
     # what a persistent chat store (Redis, a database) keeps: each message as JSON, read back.
     # (SimpleChatStore.persist itself fails under pydantic 2.14 with llama-index-core 0.14.25.)
-    persisted = [message.model_dump_json() for message in chat_store.get_messages("trip")]
+    persisted = [message.model_dump_json() for message in chat_store.get_messages(memory.conversation_key)]
 
     # a new process: a new memory over the persisted chat store, nothing else carried over
     reopened = SimpleChatStore()
-    reopened.set_messages("trip", [ChatMessage.model_validate_json(message) for message in persisted])
+    reopened.set_messages(memory.conversation_key, [ChatMessage.model_validate_json(message) for message in persisted])
     restored = _memory(store, chat_store=reopened)
     assert [(m.role, m.content) for m in restored.get_all()] == [(m.role, m.content) for m in memory.get_all()]
     # the same window, with the same memories in front of the same messages: the same prompt
@@ -214,6 +214,20 @@ def test_a_memory_over_a_persisted_chat_store_continues_the_conversation_after_a
     assert again.chat("Thanks, that helps.").response
     assert seen[-1]["fragments_missed"] == 0
     assert "kvshift_recalled" not in str([m.additional_kwargs for m in restored.get_all()])
+
+
+def test_two_users_with_the_same_session_never_share_a_conversation(store):
+    from llama_index.core.storage.chat_store import SimpleChatStore
+
+    chat_store = SimpleChatStore()
+    alice = KVShiftMemory.from_defaults(store=store, user_id="alice", session_id="default", chat_store=chat_store)
+    alice.put(ChatMessage(role="user", content="My bank PIN is 4821."))
+    bob = KVShiftMemory.from_defaults(store=store, user_id="bob", session_id="default", chat_store=chat_store)
+    assert "4821" not in str([m.content for m in bob.get_all()] + [m.content for m in bob.get()])
+    bob.put(ChatMessage(role="user", content="Hello."))
+    reopened = KVShiftMemory.from_defaults(store=store, user_id="alice", session_id="default", chat_store=chat_store)
+    assert [m.content for m in reopened.get_all()] == ["My bank PIN is 4821."]
+    assert alice.conversation_key != bob.conversation_key
 
 
 def test_references_in_a_chat_store_are_untrusted(store):
@@ -233,7 +247,7 @@ def test_references_in_a_chat_store_are_untrusted(store):
         [alice_fact.id, "1"],
     ]
     chat_store.set_messages(
-        "trip",
+        _memory(store).conversation_key,
         [
             ChatMessage(role="user", content="Hello", additional_kwargs={"kvshift_recalled": references}),
             ChatMessage(role="assistant", content="Hi!", additional_kwargs={"kvshift_archived": "nonsense"}),

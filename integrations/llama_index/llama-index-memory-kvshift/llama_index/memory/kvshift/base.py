@@ -78,7 +78,8 @@ class KVShiftMemory(BaseMemory):
         system prompt, as KVShiftLLM's default (both must agree for a fragment to be reused).
     :param chat_store: where the conversation is kept (default: a ``SimpleChatStore`` of this
         process); a memory built over a chat store that holds ``chat_store_key`` continues it.
-    :param chat_store_key: the conversation's key in ``chat_store`` (default ``session_id``).
+    :param chat_store_key: the conversation's key in ``chat_store`` (default: made of ``user_id``
+        and ``session_id``, so two users with the same session name never share a conversation).
     """
 
     model_config = ConfigDict(arbitrary_types_allowed=True)
@@ -154,8 +155,8 @@ class KVShiftMemory(BaseMemory):
                 self._pending = (input, recalled)
             elif query:
                 self._attach(self._entries[-1], recalled)
-                self.chat_store.delete_last_message(self._key)
-                self.chat_store.add_message(self._key, self._stored(self._entries[-1]))
+                self.chat_store.delete_last_message(self.conversation_key)
+                self.chat_store.add_message(self.conversation_key, self._stored(self._entries[-1]))
             messages = [self._rendered(entry) for entry in self._entries[self._start :]]
             if input is not None and recalled:
                 messages.append(
@@ -186,7 +187,7 @@ class KVShiftMemory(BaseMemory):
             self._pending = None
             self._entries.append(entry)
             archived = self._archive_last_turn() if message.role == MessageRole.ASSISTANT and self.write_back else None
-            self.chat_store.add_message(self._key, self._stored(entry, archived))
+            self.chat_store.add_message(self.conversation_key, self._stored(entry, archived))
 
     def set(self, messages: list[ChatMessage]) -> None:
         """Replace the conversation with ``messages`` (nothing is recalled for them or archived).
@@ -201,19 +202,21 @@ class KVShiftMemory(BaseMemory):
                 _Entry(m, recall_done=True, written_back=True, tokens=self._count(m.content or "")) for m in messages
             ]
             self._start, self._pending, self._restored = 0, None, True
-            self.chat_store.set_messages(self._key, messages)
+            self.chat_store.set_messages(self.conversation_key, messages)
 
     def reset(self) -> None:
         """Forget the conversation, in the chat store too (the memory store keeps what was archived)."""
         with self._lock:
             self._entries, self._start, self._pending, self._restored = [], 0, None, True
-            self.chat_store.delete_messages(self._key)
+            self.chat_store.delete_messages(self.conversation_key)
 
     # ------------------------------------------------------------------ internals
 
     @property
-    def _key(self) -> str:
-        return self.chat_store_key or self.session_id
+    def conversation_key(self) -> str:
+        """The conversation's key in ``chat_store``: ``chat_store_key``, or one made of the user and
+        the session (many users' sessions are called "default": they never share a conversation)."""
+        return self.chat_store_key or f"kvshift:{len(self.user_id)}:{self.user_id}:{self.session_id}"
 
     def _restore(self) -> None:
         """Read the conversation ``chat_store`` holds, once, with the memories shown with each message.
@@ -225,7 +228,7 @@ class KVShiftMemory(BaseMemory):
             return
         self._restored = True
         last_user: _Entry | None = None  # the user message an assistant's reply answers
-        for stored in self.chat_store.get_messages(self._key):
+        for stored in self.chat_store.get_messages(self.conversation_key):
             if not isinstance(stored, ChatMessage):
                 continue
             entry = _Entry(
