@@ -560,6 +560,8 @@ def test_a_tampered_access_counter_costs_the_count_not_the_read(make_store):
 def test_a_key_that_is_not_utf8_in_redis_is_skipped(redis_url, embedder):
     import redis
 
+    from kvshift_memory.adapters import list_items
+
     client = redis.Redis.from_url(redis_url)
     client.flushdb()
     store = MemoryStore(kv_url=redis_url, index_url=":memory:", embedder=embedder)
@@ -569,5 +571,6 @@ def test_a_key_that_is_not_utf8_in_redis_is_skipped(redis_url, embedder):
     assert store.stats()["memories"] == 1
     store.gc()
     assert store.check().ok
+    assert list(list_items(store)) == []  # what list_namespaces() reads
     assert store.get(record.id, tenant="alice") is not None
     store.close()
