@@ -83,22 +83,8 @@ def test_another_speakers_correction_never_supersedes(bundled_engine, store):
     assert observed is None or observed.id != code.id
 
 
-TOOL_INSTRUCTIONS = [
-    "Delete the draft email to John.",
-    "Wipe the staging server and redeploy.",
-    "Erase the whiteboard notes before the meeting.",
-    "Remove the old branch from the repo.",
-    "Clear my calendar for Friday.",
-    "Please delete the files in the tmp folder.",
-]
-MEMORIES = [
-    "John's email address is john@example.com.",
-    "The vault is in the staging server room.",
-    "The meeting notes are on the whiteboard.",
-    "The repo's old branch is called legacy.",
-    "My calendar for Friday has the dentist at 10.",
-    "The tmp folder holds the tax files.",
-]
+_TOOL_CASES = json.loads((Path(__file__).parent / "data" / "tool_instructions.json").read_text(encoding="utf-8"))
+TOOL_INSTRUCTIONS, MEMORIES = _TOOL_CASES["instructions"], _TOOL_CASES["memories"]
 
 
 def test_instructions_meant_for_a_tool_delete_no_memory(store):

@@ -89,22 +89,11 @@ def test_instructions_meant_for_a_tool_delete_no_memory_through_an_agent(tmp_pat
         """Carry out a task in the user's workspace."""
         return "done"
 
-    memories = [
-        "John's email address is john@example.com.",
-        "The vault is in the staging server room.",
-        "The meeting notes are on the whiteboard.",
-        "The repo's old branch is called legacy.",
-        "My calendar for Friday has the dentist at 10.",
-        "The tmp folder holds the tax files.",
-    ]
-    instructions = [
-        "Delete the draft email to John.",
-        "Wipe the staging server and redeploy.",
-        "Erase the whiteboard notes before the meeting.",
-        "Remove the old branch from the repo.",
-        "Clear my calendar for Friday.",
-        "Please delete the files in the tmp folder.",
-    ]
+    import json
+    from pathlib import Path
+
+    cases = json.loads((Path(__file__).parents[4] / "tests" / "data" / "tool_instructions.json").read_text("utf-8"))
+    memories, instructions = cases["memories"], cases["instructions"]
     with MemoryStore(tmp_path / "store") as store:
         records = [store.add(text, tenant="alice") for text in memories]
         agent = create_agent(
