@@ -16,10 +16,15 @@ instances of ``fidelity.py`` (LoCoMo), with the default blend and with shift onl
 Part 3: the embedded store as it grows (LoCoMo dialogue turns, one memory each): time per add,
 and search latency with the index in memory, and reopened (loaded from its folder's snapshot).
 
+Part 4 (``isolation``): one tenant's search beside another tenant's volume: the embedded index's
+search for a tenant with 10 memories, alone and beside 200k memories of another tenant (random
+384-d vectors through the index's log, as the store feeds it), median of 200 searches each.
+
 Redis: ``--redis-url``, or a throwaway ``redis-server`` on 127.0.0.1 when one is installed.
 
     python benchmarks/store.py                  # ~35 min on 2 cores
     python benchmarks/store.py --parts search   # one part; the others keep their results
+    python benchmarks/store.py --parts isolation
 
 Prints tables and writes ``benchmarks/results/store.json``.
 """
@@ -49,6 +54,7 @@ from ttft import QUESTION, memories_of  # noqa: E402
 from kvshift_memory import KVShiftEngine  # noqa: E402
 from kvshift_memory.embedding import MiniLMEmbedder  # noqa: E402
 from kvshift_memory.store import MemoryStore  # noqa: E402
+from kvshift_memory.store.index import IndexedState, MemoryIndex  # noqa: E402
 
 RESULTS = HERE / "results"
 CODECS = ("fp32", "fp16", "int8", "int4")
@@ -248,6 +254,57 @@ def part_search(embedder, sizes, repeats, report) -> None:
     }
 
 
+def part_isolation(others: int, repeats: int, report) -> None:
+    """Search latency of one tenant alone and beside ``others`` memories of another tenant."""
+    import uuid
+
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    index = MemoryIndex(":memory:", 384, "bench")
+    log: list[bytes] = []
+    states: dict[tuple[str, str], IndexedState] = {}
+
+    def add(tenant: str, count: int) -> None:
+        for vector in rng.normal(size=(count, 384)).astype(np.float32):
+            memory_id = uuid.uuid4().hex
+            log.append(json.dumps({"tenant": tenant, "id": memory_id, "n": uuid.uuid4().hex}).encode())
+            states[(tenant, memory_id)] = IndexedState(1, None, vector.tolist())
+
+    def read_log(start: int) -> list[bytes]:
+        return log[start:]
+
+    def state_of(tenant: str, memory_id: str) -> IndexedState | None:
+        return states.get((tenant, memory_id))
+
+    def median_search_s() -> float:
+        query = rng.normal(size=384).tolist()
+        index.search(query, "bob", None, 20, read_log, state_of)  # replays the log: not timed
+        times = []
+        for _ in range(repeats):
+            started = time.perf_counter()
+            index.search(query, "bob", None, 20, read_log, state_of)
+            times.append(time.perf_counter() - started)
+        return statistics.median(times)
+
+    add("bob", 10)
+    alone = median_search_s()
+    add("mallory", others)
+    beside = median_search_s()
+    print(
+        f"\nbob's search (10 memories): alone {alone * 1e3:.3f} ms,"
+        f" beside {others:,} of mallory's {beside * 1e3:.3f} ms"
+    )
+    report["isolation"] = {
+        "searcher_memories": 10,
+        "other_tenant_memories": others,
+        "search_alone_s": alone,
+        "search_beside_s": beside,
+        "ratio": beside / alone,
+        "repeats": repeats,
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", default="512,1024,2048,4096")
@@ -256,9 +313,10 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--redis-url", default=None, help="default: start a throwaway redis-server")
     parser.add_argument(
-        "--parts", default="sizes,fidelity,search", help="which parts to run (others keep their results)"
+        "--parts", default="sizes,fidelity,search,isolation", help="which parts to run (others keep their results)"
     )
     parser.add_argument("--search-sizes", default="500,2000,5000")
+    parser.add_argument("--other-tenant-memories", type=int, default=200_000)
     parser.add_argument("--output", type=Path, default=RESULTS / "store.json")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -293,6 +351,9 @@ def main() -> None:
         if "search" in parts:
             part_search(embedder, [int(s) for s in args.search_sizes.split(",")], args.repeats, report)
             report["search_command"] = command
+        if "isolation" in parts:
+            part_isolation(args.other_tenant_memories, 200, report)
+            report["isolation_command"] = command
     write_report(args.output, report)
 
 
