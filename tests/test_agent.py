@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
 
 import pytest
 
@@ -205,8 +204,9 @@ def test_streaming_and_async_give_the_same_turns(bundled_engine, store):
 
 
 def test_an_async_stream_left_early_frees_the_session_at_once(bundled_engine, store):
-    """break, cancellation and a dropped iterator: the next turn never waits for busy_timeout_s."""
-    agent = _agent(bundled_engine, store, max_new_tokens=30, busy_timeout_s=20.0)
+    """break, cancellation and a dropped iterator: the next turn finds the session free (a session
+    still held would make it raise SessionBusyError once busy_timeout_s ran out)."""
+    agent = _agent(bundled_engine, store, max_new_tokens=30, busy_timeout_s=5.0)
 
     async def leave_by_break():
         async for _ in agent.astream("Tell me a long story about Lisbon."):
@@ -233,9 +233,7 @@ def test_an_async_stream_left_early_frees_the_session_at_once(bundled_engine, st
 
     for leave in (leave_by_break, leave_by_cancel, leave_by_dropping):
         asyncio.run(leave())
-        started = time.perf_counter()
         agent.chat("And now?")
-        assert time.perf_counter() - started < 10.0, leave.__name__
 
 
 def test_a_closed_stream_commits_what_was_said_and_frees_the_session(bundled_engine, store):

@@ -6,7 +6,6 @@ import hashlib
 import importlib.util
 import json
 import sys
-import time
 
 import pytest
 
@@ -68,20 +67,14 @@ def test_unknown_model_path_is_a_clear_error(tmp_path):
 
 
 @pytest.mark.model
-def test_cached_load_is_fast(bundled_engine, monkeypatch):
+def test_a_cached_load_is_never_converted_again(bundled_engine, monkeypatch):
     def converting(*args):
         raise AssertionError("a converted model was converted again")
 
     monkeypatch.setattr(loading, "_convert_gguf", converting)
-    times = []
-    for _ in range(3):  # the median: one load can meet a busy machine
-        started = time.perf_counter()
+    for _ in range(2):
         engine = KVShiftEngine.from_pretrained()
-        times.append(time.perf_counter() - started)
         assert engine.fingerprint == bundled_engine.fingerprint
-    # loads in this process share the packed weights of the engines alive (tests/test_packing.py)
-    print("loads:", times)  # -s shows them
-    assert sorted(times)[1] < 2.0, times
     config = json.loads((loading.converted_model_folder(DEFAULT_MODEL) / "tokenizer_config.json").read_text())
     assert "added_tokens_decoder" in config  # or transformers parses tokenizer.json in Python on each load
 

@@ -25,10 +25,10 @@ from store_worker import VARIANT, HashEmbedder  # noqa: E402
 WORKER = str(Path(__file__).parent / "store_worker.py")
 
 
-def open_store(kv_url: str) -> MemoryStore:
+def open_store(kv_url: str, **settings) -> MemoryStore:
     if kv_url.startswith("file://"):
-        return MemoryStore(kv_url.removeprefix("file://"), embedder=HashEmbedder())
-    return MemoryStore(kv_url=kv_url, index_url=":memory:", embedder=HashEmbedder())
+        return MemoryStore(kv_url.removeprefix("file://"), embedder=HashEmbedder(), **settings)
+    return MemoryStore(kv_url=kv_url, index_url=":memory:", embedder=HashEmbedder(), **settings)
 
 
 @pytest.fixture(params=["disk", "redis"])
@@ -175,7 +175,8 @@ def test_redis_restarted_empty_mid_process_still_indexes_new_memories():
 
 
 def test_a_busy_searcher_does_not_keep_another_process_waiting(tmp_path):
-    """Each process has its own index: a process searching all the time holds no lock another waits on."""
+    """Each process has its own index: a process searching all the time holds no lock another waits on
+    (one that did would make this process's search or add raise StoreBusyError after lock_timeout_s)."""
     url = f"file://{tmp_path / 'store'}"
     store = open_store(url)
     record = store.add("The spare key is under the blue flower pot.", tenant="alice")
@@ -185,11 +186,10 @@ def test_a_busy_searcher_does_not_keep_another_process_waiting(tmp_path):
     )
     try:
         assert searcher.stdout.readline().strip() == "searching"
-        store = open_store(url)
+        store = open_store(url, lock_timeout_s=2.0)
         for _ in range(5):
-            started = time.perf_counter()
             hits = store.search("where is the spare key", tenant="alice", k=1)
-            assert time.perf_counter() - started <= 2.0 and hits[0].id == record.id
+            assert hits[0].id == record.id
             store.add(f"Another memory {time.time()}.", tenant="alice")  # writes are not starved either
             time.sleep(0.3)
         store.close()
