@@ -181,6 +181,8 @@ def generate_steps(
         # decoding after an exact prompt is exact too: the next turn may reuse the reply as well
         exact_until = filled if prepared.exact_until >= n else prepared.exact_until
         engine.prefix_cache.remember(layout.namespace, cache, all_ids, filled, exact_until)
+        if plan.kv_store is not None:
+            engine.chunks.save_later(plan.kv_store, layout.namespace, cache, all_ids, filled, exact_until)
 
 
 @torch.inference_mode()

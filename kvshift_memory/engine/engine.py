@@ -26,6 +26,7 @@ from ..kv.rope import rotate_
 from .allocator import keep_freed_memory
 from .attention import ATTENTION_NAME
 from .blend import last_adjacent_run, lead_possible, prefill_blend
+from .chunks import ChunkStore, StoredChunks
 from .costs import CostModel
 from .decoding import GenerationStream, eos_ids, generate_steps, score_continuation
 from .families import PositionScheme, position_scheme, text_decoder
@@ -35,7 +36,7 @@ from .grammar import Grammar, GrammarMatcher, grammar_tokenizer
 from .loading import load_model, resolve_device, resolve_dtype
 from .packing import pack_linear_layers, sharing
 from .planning import Planner, PreparedPrompt, PromptPlan
-from .prefix_cache import PrefixCache
+from .prefix_cache import PrefixCache, whole_spans
 from .prompt import FragmentSpan, PromptLayout, TokenMemo
 from .results import GenerationResult, ReuseStats, ScoreResult
 from .settings import EngineSettings
@@ -114,6 +115,14 @@ class KVShiftEngine:
             self.fingerprint,
             (self.num_layers, self.kv_heads, self.head_dim),
             self.model.dtype,
+            self.costs,
+        )
+        #: this engine's K/V kept in stores past the process (calls given a ``kv_store``)
+        self.chunks = StoredChunks(
+            self.fingerprint,
+            (self.num_layers, self.kv_heads, self.head_dim),
+            self.model.dtype,
+            self.settings.chunk_tokens,
             self.costs,
         )
         self._planner = Planner(self._tokens, self.settings, self.max_positions, self.position_scheme)
@@ -202,6 +211,7 @@ class KVShiftEngine:
         encode_context: str | None = None,
         namespace: str | None = None,
         grammar: Grammar | None = None,
+        kv_store: ChunkStore | None = None,
     ) -> GenerationResult: ...
 
     @overload
@@ -224,6 +234,7 @@ class KVShiftEngine:
         encode_context: str | None = None,
         namespace: str | None = None,
         grammar: Grammar | None = None,
+        kv_store: ChunkStore | None = None,
     ) -> GenerationStream: ...
 
     def generate(
@@ -245,6 +256,7 @@ class KVShiftEngine:
         encode_context: str | None = None,
         namespace: str | None = None,
         grammar: Grammar | None = None,
+        kv_store: ChunkStore | None = None,
     ) -> GenerationResult | GenerationStream:
         """Answer ``messages`` with ``memories`` in the system message.
 
@@ -280,6 +292,11 @@ class KVShiftEngine:
             expression, a Lark grammar); tokens it forbids are never picked, and the answer ends
             where the grammar does. Give ``max_new_tokens`` room to finish: an answer cut by it
             (``finish_reason == "length"``) may be incomplete.
+        :param kv_store: a store (a :class:`MemoryStore`) that keeps this conversation's K/V past the
+            process: on a prefix-cache miss the prompt's stored chunks are read from it
+            (``stats.restored_tokens``), and after the answer the prompt's and answer's K/V are
+            written to it in the background (:meth:`flush_chunks` waits for that), under
+            ``namespace``. Another process or worker given the same store continues from there.
         :returns: a :class:`GenerationResult` (text, token ids, stats, finish reason).
         :raises InvalidInputError: bad messages, memories or parameters.
         :raises ContextOverflowError: the prompt plus ``max_new_tokens`` exceeds the context window.
@@ -293,8 +310,11 @@ class KVShiftEngine:
         if grammar is not None and not isinstance(grammar, Grammar):
             raise InvalidInputError(f"grammar is a kvshift_memory.Grammar, not {type(grammar).__name__}")
         matcher = None if grammar is None else GrammarMatcher(grammar, self.grammar_tokenizer())
-        plan = self._planner.plan(
-            messages, memories, reuse, recompute_ratio, max_new_tokens, fragments_after, encode_context, namespace
+        plan = self._with_store(
+            self._planner.plan(
+                messages, memories, reuse, recompute_ratio, max_new_tokens, fragments_after, encode_context, namespace
+            ),
+            kv_store,
         )
         sampling = (float(temperature), float(top_p), int(top_k), seed, float(repetition_penalty))
         steps = GenerationStream(generate_steps(self, plan, sampling, stops, started, matcher))
@@ -317,6 +337,7 @@ class KVShiftEngine:
         fragments_after: str | None = None,
         encode_context: str | None = None,
         namespace: str | None = None,
+        kv_store: ChunkStore | None = None,
     ) -> ScoreResult:
         """Log-probabilities of ``continuation`` as the start of the assistant's answer.
 
@@ -329,6 +350,7 @@ class KVShiftEngine:
         :param fragments_after: as in :meth:`generate`.
         :param encode_context: as in :meth:`generate`.
         :param namespace: as in :meth:`generate`.
+        :param kv_store: as in :meth:`generate`, read only (scoring stores nothing).
         :raises InvalidInputError: bad input, or token ids outside the vocabulary.
         :raises ContextOverflowError: prompt plus continuation exceeds the context window.
         """
@@ -342,8 +364,11 @@ class KVShiftEngine:
                 raise InvalidInputError(
                     f"continuation holds token id {max(cont_ids)} >= vocabulary size {self.vocab_size}"
                 )
-        plan = self._planner.plan(
-            messages, memories, reuse, recompute_ratio, len(cont_ids), fragments_after, encode_context, namespace
+        plan = self._with_store(
+            self._planner.plan(
+                messages, memories, reuse, recompute_ratio, len(cont_ids), fragments_after, encode_context, namespace
+            ),
+            kv_store,
         )
         return score_continuation(self, plan, cont_ids, return_distributions, started)
 
@@ -389,11 +414,32 @@ class KVShiftEngine:
         return self._warm(plan.layout, self.settings.lead_fragments if lead_fragments is None else lead_fragments)
 
     def clear_cache(self, *, prefixes: bool = True, fragments: bool = True) -> None:
-        """Forget cached prompt prefixes and/or fragments (measurements start cold with this)."""
+        """Forget cached prompt prefixes and/or fragments (measurements start cold with this).
+
+        Stored chunks stay in their stores; the engine forgets which it wrote, and checks again.
+        """
         if prefixes:
             self.prefix_cache.clear()
+            self.chunks.forget_known()
         if fragments:
             self.fragments.clear()
+
+    def flush_chunks(self, timeout_s: float | None = None) -> bool:
+        """Wait until the K/V chunks of finished calls are written to their stores (see ``kv_store``).
+
+        :returns: ``False`` when ``timeout_s`` ran out first (the writing goes on).
+        """
+        return self.chunks.writer.flush(timeout_s)
+
+    @staticmethod
+    def _with_store(plan: PromptPlan, kv_store: Any) -> PromptPlan:
+        if kv_store is None:
+            return plan
+        if not isinstance(kv_store, ChunkStore):
+            raise InvalidInputError(
+                f"kv_store must be a MemoryStore (load_chunk, save_chunk, codec), not {type(kv_store).__name__}"
+            )
+        return replace(plan, kv_store=kv_store)
 
     def grammar_tokenizer(self) -> Any:
         """llguidance's view of this engine's vocabulary, built on first use (constrained decoding).
@@ -455,6 +501,12 @@ class KVShiftEngine:
         reused, exact_until, shifted = (
             (0, n, 0) if mode == "none" else self.prefix_cache.reuse(cache, layout, mode, self.rotate)
         )
+        if plan.kv_store is not None and mode != "none" and shifted == 0 and reused < n - 1:
+            restored = self.chunks.restore(plan.kv_store, cache, layout, reused, mode == "blend", whole_spans)
+            stats.restored_tokens = restored.end - reused
+            stats.chunks_rejected = restored.rejected
+            exact_until = min(exact_until, restored.exact_until)
+            reused = restored.end
         stats.reused_tokens = reused
         stats.shifted_tokens = shifted
         stats.fragments_hit = sum(1 for span in layout.fragments if span.end <= reused)

@@ -37,6 +37,7 @@ class PromptPlan:
     :param recompute_ratio: the blend's share of shifted fragment tokens to recompute.
     :param fallback_reason: why ``reuse`` is less than was asked, when it is.
     :param extra_tokens: slots kept after the prompt (the answer's, or the scored continuation's).
+    :param kv_store: where the prompt's K/V chunks are read from and written to (``None``: nowhere).
     """
 
     layout: PromptLayout
@@ -45,6 +46,7 @@ class PromptPlan:
     recompute_ratio: float
     fallback_reason: str | None
     extra_tokens: int
+    kv_store: Any = None
 
 
 @dataclass

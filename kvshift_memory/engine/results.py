@@ -25,6 +25,10 @@ class ReuseStats:
     :param ttft_s: seconds from the start of the call to the first generated token (or, when
         scoring, to the first distribution).
     :param reused_tokens: prompt tokens whose K/V came from a cache (prefix or fragment) as they were.
+    :param restored_tokens: of the reused, those read from stored chunks (``kv_store``): K/V an
+        earlier process, or another worker, computed.
+    :param chunks_rejected: stored chunks refused (corrupt, or not this prompt's, model's or
+        tenant's); their tokens were computed instead.
     :param shifted_tokens: of the reused, those taken from a cached prompt that had a stretch before
         them cut out (a working window whose oldest turns were evicted), RoPE-shifted into place.
     :param recomputed_tokens: fragment tokens the blend recomputed in full context.
@@ -47,6 +51,7 @@ class ReuseStats:
     prompt_tokens: int
     ttft_s: float = 0.0
     reused_tokens: int = 0
+    restored_tokens: int = 0
     shifted_tokens: int = 0
     recomputed_tokens: int = 0
     encoded_tokens: int = 0
@@ -56,6 +61,7 @@ class ReuseStats:
     fragments_loaded: int = 0
     fragments_rejected: int = 0
     fragments_recomputed: int = 0
+    chunks_rejected: int = 0
     recompute_ratio: float = 0.0
     generated_tokens: int = 0
     decode_tokens_per_s: float = 0.0

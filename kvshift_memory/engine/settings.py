@@ -52,6 +52,9 @@ class EngineSettings:
         then encodes two fragments per memory (its ``lead_fragments`` argument says whether the
         memories will be placed there). Measured in ``docs/benchmarks/fidelity.md``.
     :param prefix_cache_bytes: bound on the K/V of earlier prompts kept for exact prefix reuse.
+    :param chunk_tokens: tokens per chunk of the K/V a call given a ``kv_store`` keeps there
+        (:mod:`~kvshift_memory.engine.chunks`); only full chunks are kept, so a restored prompt
+        computes at most this many tokens of what was stored, plus what is new.
     :param fragment_cache_bytes: bound on the encoded memory fragments kept in this process.
     :param keep_freed_memory: on Linux with glibc, keep freed blocks of up to 32 MiB (and up to
         1 GiB of free heap) mapped for reuse, so that each generation's new cache does not fault
@@ -72,6 +75,7 @@ class EngineSettings:
     match_speakers: bool = True
     lead_fragments: bool = True
     prefix_cache_bytes: int = 1 << 30
+    chunk_tokens: int = 256
     fragment_cache_bytes: int = 1 << 30
     keep_freed_memory: bool = True
     pack_weights: bool = True
@@ -82,6 +86,7 @@ class EngineSettings:
         inputs.check_text(self.memory_header, "memory_header", allow_empty=True)
         inputs.check_text(self.encode_context, "encode_context", allow_empty=True)
         inputs.check_positive_int(self.recompute_window, "recompute_window")
+        inputs.check_positive_int(self.chunk_tokens, "chunk_tokens")
         for name in ("min_recompute_tokens", "prefix_cache_bytes", "fragment_cache_bytes"):
             inputs.check_non_negative_int(getattr(self, name), name)
         for name in ("match_speakers", "lead_fragments", "keep_freed_memory", "pack_weights"):

@@ -238,7 +238,10 @@ def store_stats(store: MemoryStore, *, model_fingerprint: str | None = None) -> 
         "fragment_bytes": 0,
         "fragments_by_codec": {},
         "corrupt_fragments_seen": store.corrupt_fragments,
+        "chunk_budget_bytes": store.chunk_bytes,
+        "chunk_ttl_s": store.chunk_ttl_s,
     }
+    out["chunks"], out["chunk_bytes"] = store.tier.chunk_usage()
     for key in store.tier.scan("h/"):
         head = parse_head(store._get_row(key))
         if head is None:

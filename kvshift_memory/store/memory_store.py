@@ -54,7 +54,7 @@ from .layout import (
 )
 from .maintenance import CheckReport, GCReport
 from .records import MemoryRecord, text_hash
-from .tiers import HotTier, KVTier, open_tier
+from .tiers import CHUNK_PREFIX, DEFAULT_CHUNK_BYTES, DEFAULT_CHUNK_TTL_S, HotTier, KVTier, open_tier
 
 __all__ = ["CheckReport", "GCReport", "MemoryStore"]
 
@@ -97,6 +97,10 @@ class MemoryStore:
         ``kvshift``): stores that should not share a collection on one server take different
         ones. Stores that share one still keep apart: each point carries its store's identity
         (kept in the tier), every query and :meth:`check` see only this store's points.
+    :param chunk_bytes: the byte budget of the conversation K/V chunks an engine keeps here (in
+        RAM for ``memory://``, in ``path/kv/chunks`` for a folder), least recently used evicted first;
+        ``0`` keeps none. Chunks can always be computed again: records are never evicted.
+    :param chunk_ttl_s: how long a chunk stays in Redis after it was last written or read.
     :param keyword_weight: how much the keyword path adds to a hit's score (a hit's ``score`` is
         its cosine similarity plus this times its IDF-weighted keyword overlap); ``0`` searches by
         embedding alone. The default comes from ``benchmarks/recall.py`` (``docs/benchmarks/locomo.md``).
@@ -117,6 +121,8 @@ class MemoryStore:
         keyword_weight: float = 0.05,
         index_api_key: str | None = None,
         index_collection_prefix: str = "kvshift",
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        chunk_ttl_s: float = DEFAULT_CHUNK_TTL_S,
     ) -> None:
         if path is None and kv_url is None:
             raise InvalidInputError("give a folder (MemoryStore(path)) or a kv_url")
@@ -124,6 +130,9 @@ class MemoryStore:
             raise InvalidInputError(f"path must be a folder path, got {type(path).__name__}")
         check_codec(codec, group_size)
         inputs.check_non_negative_int(hot_bytes, "hot_bytes")
+        inputs.check_non_negative_int(chunk_bytes, "chunk_bytes")
+        if isinstance(chunk_ttl_s, bool) or not isinstance(chunk_ttl_s, (int, float)) or not 1 <= chunk_ttl_s <= 1e9:
+            raise InvalidInputError(f"chunk_ttl_s must be a number of seconds in [1, 1e9], got {chunk_ttl_s!r}")
         if (
             isinstance(lock_timeout_s, bool)
             or not isinstance(lock_timeout_s, (int, float))
@@ -144,7 +153,10 @@ class MemoryStore:
             except OSError as exc:
                 raise StoreError(f"cannot use {os.fspath(path)!r} as a store folder: {exc}") from exc
         tier_location = kv_url if kv_url is not None else Path(path or ".") / "kv"  # one of the two was given
-        self.tier: KVTier = open_tier(tier_location, lock_timeout_s=float(lock_timeout_s))
+        self.chunk_bytes, self.chunk_ttl_s = chunk_bytes, float(chunk_ttl_s)
+        self.tier: KVTier = open_tier(
+            tier_location, lock_timeout_s=float(lock_timeout_s), chunk_bytes=chunk_bytes, chunk_ttl_s=float(chunk_ttl_s)
+        )
         self._hot = HotTier(hot_bytes)
         if embedder is None:
             embedder = MiniLMEmbedder()  # loads its weights (and torch) only when it first embeds
@@ -540,6 +552,32 @@ class MemoryStore:
         if live is None or live.version != record.version or live.source_text_hash != text_hash(record.text):
             return None
         return tier_key("f", record.tenant, record.id, record.version, variant)
+
+    # ---------------------------------------------------------------- chunks (used by the engine)
+
+    def load_chunk(self, key: str, *, tenant: str | None) -> bytes | None:
+        """The chunk stored under ``key`` for ``tenant`` (``None``: an engine's default namespace), or
+        ``None``. What comes back is untrusted: the engine checks it before use.
+
+        :raises InvalidInputError: a malformed key or tenant.
+        :raises StoreError: the tier failed.
+        """
+        return self.tier.get_chunk(self._chunk_key(key, tenant))
+
+    def save_chunk(self, key: str, blob: bytes, *, tenant: str | None) -> None:
+        """Keep a chunk (within ``chunk_bytes`` or ``chunk_ttl_s``: older chunks may go).
+
+        :raises InvalidInputError: a malformed key or tenant, or a blob that is not bytes.
+        :raises StoreError: the tier failed.
+        """
+        if not isinstance(blob, (bytes, bytearray)):
+            raise InvalidInputError(f"a chunk is bytes, got {type(blob).__name__}")
+        self.tier.set_chunk(self._chunk_key(key, tenant), bytes(blob))
+
+    def _chunk_key(self, key: Any, tenant: Any) -> str:
+        if not isinstance(key, str) or not VARIANT.fullmatch(key):
+            raise InvalidInputError(f"a chunk key is 8 to 64 lowercase hex digits, got {key!r}"[:200])
+        return tier_key(CHUNK_PREFIX.rstrip("/"), "" if tenant is None else self._ids(tenant, None)[0], key)
 
     # ---------------------------------------------------------------- internals
 

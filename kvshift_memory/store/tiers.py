@@ -12,6 +12,11 @@ compare-and-set, delete, a counter, an append-only log, a prefix scan and a cloc
 them is atomic on its own, so no process holds a lock that another would wait on. The clock is the
 tier's own (the server's for Redis, the operating system's for a folder that one machine shares),
 so every writer judges an age by the same clock, whatever its own says.
+
+Beside them each tier keeps *chunks*: a conversation's K/V, cut into pieces that can always be
+computed again, so kept within a bound and dropped first: a byte budget, least recently used
+first (RAM, and a folder of its own next to the disk tier's records), or a time to live that each
+read renews (Redis). Records are never evicted.
 """
 
 from __future__ import annotations
@@ -33,12 +38,17 @@ import diskcache.core
 
 from ..exceptions import CorruptRecordError, InvalidInputError, StoreBusyError, StoreError
 
-__all__ = ["BLOB_PREFIX", "DiskTier", "HotTier", "KVTier", "RedisTier", "open_tier"]
+__all__ = ["BLOB_PREFIX", "CHUNK_PREFIX", "DiskTier", "HotTier", "KVTier", "RedisTier", "open_tier"]
 
 logger = logging.getLogger("kvshift_memory.store")
 
 # Keys under this prefix hold fragment blobs: derived data that may be evicted and rebuilt.
 BLOB_PREFIX = "f/"
+# Keys of chunks (a conversation's K/V), kept apart from the records (``KVTier.set_chunk``).
+CHUNK_PREFIX = "c/"
+#: the chunk bounds a tier takes when none is given: 4 GiB on disk or in RAM, a week in Redis
+DEFAULT_CHUNK_BYTES = 4 << 30
+DEFAULT_CHUNK_TTL_S = 7 * 24 * 3600.0
 
 
 def _as_bytes(value: object) -> bytes:
@@ -76,67 +86,111 @@ class KVTier(Protocol):
     def now(self) -> float:
         """The tier's clock, in Unix seconds: the one every writer of this tier shares."""
 
+    def set_chunk(self, key: str, value: bytes) -> None:
+        """Keep a chunk within the tier's chunk bound (older chunks may go to make room)."""
+
+    def get_chunk(self, key: str) -> bytes | None:
+        """A chunk, or ``None`` when it was never kept, was evicted or expired; it counts as used now."""
+
+    def chunk_usage(self) -> tuple[int, int]:
+        """How many chunks the tier holds, and their bytes."""
+
     def close(self) -> None: ...
 
 
+class _BoundedBytes:
+    """Values kept within a byte budget in RAM, least recently used dropped first (a value larger
+    than the budget is not kept)."""
+
+    def __init__(self, capacity_bytes: int) -> None:
+        self.capacity_bytes = capacity_bytes
+        self._values: OrderedDict[str, bytes] = OrderedDict()
+        self.total = 0
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._values
+
+    def get(self, key: str) -> bytes | None:
+        value = self._values.get(key)
+        if value is not None:
+            self._values.move_to_end(key)
+        return value
+
+    def put(self, key: str, value: bytes) -> None:
+        self.pop(key)
+        if len(value) > self.capacity_bytes:
+            return
+        self._values[key] = value
+        self.total += len(value)
+        while self.total > self.capacity_bytes:
+            self.total -= len(self._values.popitem(last=False)[1])
+
+    def pop(self, key: str) -> bytes | None:
+        value = self._values.pop(key, None)
+        if value is not None:
+            self.total -= len(value)
+        return value
+
+    def keys(self) -> list[str]:
+        return list(self._values)
+
+    def clear(self) -> None:
+        self._values.clear()
+        self.total = 0
+
+
 class HotTier:
-    """An in-process tier; blobs (keys under :data:`BLOB_PREFIX`) are kept within ``blob_bytes``.
+    """An in-process tier; blobs (keys under :data:`BLOB_PREFIX`) are kept within ``blob_bytes``,
+    chunks within ``chunk_bytes``, both least recently used dropped first.
 
     :param blob_bytes: bound on the bytes of blobs held; ``0`` holds none.
+    :param chunk_bytes: bound on the bytes of chunks held; ``0`` holds none.
     """
 
-    def __init__(self, blob_bytes: int = 1 << 30, url: str = "memory://") -> None:
+    def __init__(
+        self, blob_bytes: int = 1 << 30, url: str = "memory://", *, chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    ) -> None:
         self.url = url
-        self.blob_bytes = blob_bytes
         self._data: dict[str, bytes] = {}
-        self._blobs: OrderedDict[str, int] = OrderedDict()
-        self._blob_total = 0
+        self._blobs = _BoundedBytes(blob_bytes)
+        self._chunks = _BoundedBytes(chunk_bytes)
         self._logs: dict[str, list[bytes]] = {}
         self._lock = threading.RLock()
 
     def get(self, key: str) -> bytes | None:
         with self._lock:
-            if key in self._blobs:
-                self._blobs.move_to_end(key)
-            return self._data.get(key)
+            return self._blobs.get(key) if key.startswith(BLOB_PREFIX) else self._data.get(key)
 
     def contains(self, key: str) -> bool:
         with self._lock:
-            return key in self._data
+            return key in (self._blobs if key.startswith(BLOB_PREFIX) else self._data)
 
     def set(self, key: str, value: bytes) -> None:
+        value = _as_bytes(value)
         with self._lock:
-            self._delete(key)
             if key.startswith(BLOB_PREFIX):
-                if len(value) > self.blob_bytes:
-                    return
-                self._blobs[key] = len(value)
-                self._blob_total += len(value)
-                while self._blob_total > self.blob_bytes:
-                    evicted, size = self._blobs.popitem(last=False)
-                    self._blob_total -= size
-                    del self._data[evicted]
-            self._data[key] = _as_bytes(value)
+                self._blobs.put(key, value)
+            else:
+                self._data[key] = value
 
     def compare_and_set(self, key: str, expected: bytes | None, value: bytes | None) -> bool:
         with self._lock:
-            if self._data.get(key) != expected:
+            if self.get(key) != expected:
                 return False
             if value is None:
-                self._delete(key)
+                self.delete(key)
             else:
                 self.set(key, value)
             return True
 
     def delete(self, key: str) -> bool:
         with self._lock:
-            return self._delete(key)
-
-    def _delete(self, key: str) -> bool:
-        size = self._blobs.pop(key, None)
-        if size is not None:
-            self._blob_total -= size
-        return self._data.pop(key, None) is not None
+            if key.startswith(BLOB_PREFIX):
+                return self._blobs.pop(key) is not None
+            return self._data.pop(key, None) is not None
 
     def incr(self, key: str) -> int:
         with self._lock:
@@ -159,16 +213,28 @@ class HotTier:
 
     def scan(self, prefix: str) -> Iterator[str]:
         with self._lock:
-            return iter([key for key in self._data if key.startswith(prefix)])
+            return iter([key for key in (*self._data, *self._blobs.keys()) if key.startswith(prefix)])
 
     def now(self) -> float:
         return time.time()  # one process: its clock is every writer's
+
+    def set_chunk(self, key: str, value: bytes) -> None:
+        with self._lock:
+            self._chunks.put(key, _as_bytes(value))
+
+    def get_chunk(self, key: str) -> bytes | None:
+        with self._lock:
+            return self._chunks.get(key)
+
+    def chunk_usage(self) -> tuple[int, int]:
+        with self._lock:
+            return len(self._chunks), self._chunks.total
 
     def clear(self) -> None:
         with self._lock:
             self._data.clear()
             self._blobs.clear()
-            self._blob_total = 0
+            self._chunks.clear()
             self._logs.clear()
 
     def close(self) -> None:
@@ -226,16 +292,24 @@ class DiskTier:
     """A ``diskcache`` folder shared safely by the processes of one machine.
 
     Every operation is one SQLite statement or transaction; a writer waits at most ``lock_timeout_s``
-    for another process's transaction to end.
+    for another process's transaction to end. Chunks live in a ``diskcache`` folder of their own
+    (``path/chunks``, made on the first chunk written), the only one diskcache may evict from.
 
     :param path: the folder (created when missing).
     :param lock_timeout_s: how long a write waits for the folder's lock.
+    :param chunk_bytes: the chunks' byte budget (least recently used evicted first); ``0`` keeps none.
     :raises StoreError: the folder cannot be opened or its database is damaged.
     """
 
-    def __init__(self, path: str | os.PathLike, lock_timeout_s: float = 30.0) -> None:
+    def __init__(
+        self, path: str | os.PathLike, lock_timeout_s: float = 30.0, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    ) -> None:
         self.url = f"file://{os.path.abspath(path)}"
         self.lock_timeout_s = lock_timeout_s
+        self.chunk_bytes = chunk_bytes
+        self._chunk_folder = os.path.join(os.fspath(path), "chunks")
+        self._chunk_cache: diskcache.Cache | None = None
+        self._chunk_lock = threading.Lock()
         with self._errors("open"):
             # no size limit: diskcache would otherwise evict records, and a memory never loses what it was told
             self._cache = diskcache.Cache(
@@ -326,6 +400,44 @@ class DiskTier:
                 entries.append(entry)
             return entries
 
+    def _chunks(self, create: bool) -> diskcache.Cache | None:
+        """The chunks' folder, opened on first use (``None`` when it does not exist and ``create`` is false)."""
+        with self._chunk_lock:
+            if self._chunk_cache is None and (create or os.path.isdir(self._chunk_folder)):
+                with self._errors("open chunks"):
+                    self._chunk_cache = diskcache.Cache(
+                        self._chunk_folder,
+                        disk=_BytesOnlyDisk,
+                        timeout=self.lock_timeout_s,
+                        size_limit=self.chunk_bytes,
+                        eviction_policy="least-recently-used",
+                    )
+            return self._chunk_cache
+
+    def set_chunk(self, key: str, value: bytes) -> None:
+        value = _as_bytes(value)
+        if len(value) > self.chunk_bytes:
+            return
+        chunks = self._chunks(create=True)
+        assert chunks is not None  # made when missing
+        with self._errors("set chunk"):
+            chunks.set(key, value)  # diskcache culls the least recently used past size_limit
+
+    def get_chunk(self, key: str) -> bytes | None:
+        chunks = self._chunks(create=False)
+        if chunks is None:
+            return None
+        with self._errors("get chunk"):
+            value = chunks.get(key, default=None)
+        return value if isinstance(value, bytes) else None
+
+    def chunk_usage(self) -> tuple[int, int]:
+        chunks = self._chunks(create=False)
+        if chunks is None:
+            return 0, 0
+        with self._errors("chunk usage"):
+            return len(chunks), int(chunks.volume())
+
     def scan(self, prefix: str) -> Iterator[str]:
         # one range query over str keys: rows of other key types (a pickled key planted by hand)
         # are never read, and a scan does not walk every other key of the folder
@@ -340,12 +452,19 @@ class DiskTier:
 
     def close(self) -> None:
         self._cache.close()
+        if self._chunk_cache is not None:
+            self._chunk_cache.close()
+
+
+# the lengths of many values in one round trip (inspect counts chunk bytes with it)
+_STRLENS = "local out = {} for i, key in ipairs(KEYS) do out[i] = redis.call('STRLEN', key) end return out"
 
 
 class RedisTier:
     """A Redis database shared by every process and machine that opens the same URL.
 
     :param url: ``redis://host:port/db`` (``rediss://`` for TLS).
+    :param chunk_ttl_s: how long a chunk is kept after it was last written or read.
     :raises StoreError: the server cannot be reached.
     """
 
@@ -361,13 +480,14 @@ class RedisTier:
     return 1
     """
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, *, chunk_ttl_s: float = DEFAULT_CHUNK_TTL_S) -> None:
         try:
             import redis  # only this tier needs it: an optional dependency
         except ImportError:
             raise StoreError("the Redis tier needs the redis package: pip install 'kvshift-memory[redis]'") from None
 
         self.url = url
+        self.chunk_ttl_ms = max(1, round(chunk_ttl_s * 1000))
         self._errors = (redis.RedisError,)
         try:
             self._client = redis.Redis.from_url(url, socket_connect_timeout=5, socket_timeout=30)
@@ -413,6 +533,17 @@ class RedisTier:
         seconds, microseconds = self._call("time")
         return float(seconds) + float(microseconds) / 1e6
 
+    def set_chunk(self, key: str, value: bytes) -> None:
+        self._call("set", key, _as_bytes(value), px=self.chunk_ttl_ms)
+
+    def get_chunk(self, key: str) -> bytes | None:
+        return self._call("getex", key, px=self.chunk_ttl_ms)  # a chunk in use stays
+
+    def chunk_usage(self) -> tuple[int, int]:
+        keys = list(self.scan(CHUNK_PREFIX))
+        sizes = [int(size) for size in self._call("eval", _STRLENS, len(keys), *keys)] if keys else []
+        return len(sizes), sum(sizes)
+
     def append(self, log: str, value: bytes) -> int:
         return int(self._call("rpush", log, _as_bytes(value))) - 1
 
@@ -435,10 +566,17 @@ class RedisTier:
         self._client.close()
 
 
-def open_tier(url: str | os.PathLike, *, lock_timeout_s: float = 30.0) -> KVTier:
+def open_tier(
+    url: str | os.PathLike,
+    *,
+    lock_timeout_s: float = 30.0,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    chunk_ttl_s: float = DEFAULT_CHUNK_TTL_S,
+) -> KVTier:
     """A tier for ``url``: ``memory://``, ``redis://…``/``rediss://…``, ``file://PATH`` or a folder path.
 
     :param lock_timeout_s: how long a folder's writer waits for another's lock (:class:`DiskTier`).
+    :param chunk_bytes: the chunks' byte budget in RAM or a folder; ``chunk_ttl_s``: their time to live in Redis.
 
     :raises InvalidInputError: an unknown scheme.
     :raises StoreError: the backend cannot be opened.
@@ -446,11 +584,13 @@ def open_tier(url: str | os.PathLike, *, lock_timeout_s: float = 30.0) -> KVTier
     text = os.fspath(url)
     scheme = urlsplit(text).scheme if "://" in text else ""
     if scheme == "memory":
-        return HotTier()
+        return HotTier(chunk_bytes=chunk_bytes)
     if scheme in ("redis", "rediss", "unix"):
-        return RedisTier(text)
-    if scheme == "file":
-        return DiskTier(text[len("file://") :], lock_timeout_s)
+        return RedisTier(text, chunk_ttl_s=chunk_ttl_s)
     if scheme:
-        raise InvalidInputError(f"unknown store URL scheme {scheme!r}: use a folder, file://, memory:// or redis://")
-    return DiskTier(text, lock_timeout_s)
+        if scheme != "file":
+            raise InvalidInputError(
+                f"unknown store URL scheme {scheme!r}: use a folder, file://, memory:// or redis://"
+            )
+        text = text[len("file://") :]
+    return DiskTier(text, lock_timeout_s, chunk_bytes=chunk_bytes)

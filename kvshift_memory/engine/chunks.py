@@ -1,0 +1,321 @@
+"""A conversation's K/V in a store, so that it outlives the process: chunks.
+
+After a call, the prompt's and the answer's K/V are cut into chunks of ``chunk_tokens`` tokens and
+the full ones are written to the caller's store, in the background (never on the answer's path).
+A chunk's key is a hash chain over the model's fingerprint, the namespace (the tenant), the codec
+and every token up to the chunk's end: a chunk serves only behind the very same tokens, for the same
+model and tenant. When the in-process prefix cache misses (a new process, another worker), the
+engine reads the longest run of stored chunks the prompt starts with and prefills only the rest.
+
+A blob read back is untrusted: it is decoded by the fragment codec (never unpickled) and must carry
+its own key, tenant and model, the chunk's tokens and position; one that does not is refused and
+its tokens computed. Chunks hold exact K/V, or, flagged apart under keys of their own, K/V after a
+blended memory (an approximation the in-process cache also keeps): those serve only ``"blend"`` calls.
+"""
+
+from __future__ import annotations
+
+import atexit
+import hashlib
+import logging
+import queue
+import threading
+import time
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+from ..exceptions import CorruptFragmentError, InvalidInputError, StoreError
+from ..kv.cache import ShiftCache
+from ..kv.codec import CodecSpec, decode_fragment, encode_fragment
+from ..kv.fragment import Fragment
+from .costs import CostModel
+from .prompt import PromptLayout
+
+__all__ = ["ChunkStore", "ChunkWriter", "StoredChunks"]
+
+logger = logging.getLogger("kvshift_memory.engine")
+
+# how many chunk keys per store the engine remembers as written, so that a long conversation
+# does not write its early chunks again after every turn (past it, the memo starts over)
+_KNOWN_KEYS = 1 << 16
+
+
+@runtime_checkable
+class ChunkStore(Protocol):
+    """Where the engine keeps chunks (a :class:`~kvshift_memory.MemoryStore` is one).
+
+    Methods raise :class:`~kvshift_memory.StoreError` when the store cannot be reached.
+    """
+
+    codec: str
+    group_size: int
+
+    def load_chunk(self, key: str, *, tenant: str | None) -> bytes | None:
+        """The blob stored under ``key`` for ``tenant`` (``None``: the default namespace), or ``None``."""
+        ...
+
+    def save_chunk(self, key: str, blob: bytes, *, tenant: str | None) -> None:
+        """Keep a blob (the store may drop it later: chunks are bounded)."""
+        ...
+
+
+@dataclass(frozen=True)
+class _Identity:
+    """What every key and header of one store's chunks is bound to."""
+
+    fingerprint: str
+    namespace: str
+    spec: CodecSpec
+
+    @property
+    def tenant(self) -> str | None:
+        return self.namespace or None
+
+
+def _chain(identity: _Identity, ids: torch.Tensor, chunk_tokens: int, chunks: int) -> list[str]:
+    """The chain digest at the end of each of the first ``chunks`` chunks of ``ids``."""
+    state = hashlib.blake2b(
+        f"kvshift-chunk/1|{identity.fingerprint}|{identity.namespace}|{identity.spec.label}|{chunk_tokens}".encode(),
+        digest_size=16,
+    ).digest()
+    digests = []
+    for index in range(chunks):
+        piece = ids[index * chunk_tokens : (index + 1) * chunk_tokens].to(torch.int64).numpy().tobytes()
+        state = hashlib.blake2b(state + piece, digest_size=16).digest()
+        digests.append(state.hex())
+    return digests
+
+
+def _key(chain_digest: str, exact: bool) -> str:
+    return hashlib.blake2b(f"{chain_digest}|{'exact' if exact else 'blended'}".encode(), digest_size=16).hexdigest()
+
+
+def _header(identity: _Identity, key: str, exact: bool) -> dict[str, str]:
+    return {
+        "kind": "chunk",
+        "chunk_key": key,
+        "tenant": identity.namespace,
+        "model_fingerprint": identity.fingerprint,
+        "exact": "1" if exact else "0",
+    }
+
+
+@dataclass(frozen=True)
+class Restored:
+    """What :meth:`StoredChunks.restore` placed: slots ``[start, end)``, exact until ``exact_until``."""
+
+    end: int
+    exact_until: int
+    rejected: int
+
+
+class StoredChunks:
+    """Reads chunks into a prompt's cache, and hands the K/V of finished calls to a writer.
+
+    :param fingerprint: the model's; ``geometry``: ``(num_layers, kv_heads, head_dim)``; ``dtype``: the model's.
+    :param chunk_tokens: tokens per chunk.
+    :param costs: the engine's cost model (a read is skipped when computing the tokens is cheaper).
+    """
+
+    def __init__(
+        self,
+        fingerprint: str,
+        geometry: tuple[int, int, int],
+        dtype: torch.dtype,
+        chunk_tokens: int,
+        costs: CostModel,
+    ) -> None:
+        self.fingerprint = fingerprint
+        self.geometry = geometry
+        self.dtype = dtype
+        self.chunk_tokens = chunk_tokens
+        self.costs = costs
+        self.writer = ChunkWriter()
+        # per store, the (namespace, key) of chunks known to be there (weak: a closed store is forgotten)
+        self._known: weakref.WeakKeyDictionary[Any, set[tuple[str, str]]] = weakref.WeakKeyDictionary()
+        self._known_lock = threading.Lock()
+
+    def identity(self, store: ChunkStore, namespace: str) -> _Identity:
+        return _Identity(self.fingerprint, namespace, CodecSpec(store.codec, store.group_size))
+
+    def restore(
+        self, store: ChunkStore, cache: ShiftCache, layout: PromptLayout, start: int, blend: bool, end_at: Callable
+    ) -> Restored:
+        """Read the stored chunks that continue slots ``[0, start)`` of ``layout``'s prompt into ``cache``.
+
+        Chunks are read in order while each is stored, checks out and is cheaper to read than to
+        compute; blended chunks only when ``blend`` and past the prompt's anchor. ``end_at`` moves
+        an end back to a memory's start (a memory is placed whole); the last prompt token is
+        always left to run, for its logits.
+
+        :returns: where the restored K/V ends (``start`` when nothing was), and until where it is exact.
+        """
+        ids, n, size = layout.token_ids, layout.length, self.chunk_tokens
+        first, chunks = start // size, (n - 1) // size
+        if first >= chunks:
+            return Restored(start, n, 0)
+        identity = self.identity(store, layout.namespace)
+        digests = _chain(identity, ids, size, chunks)
+        loaded: list[Fragment] = []
+        exact_until, rejected = n, 0
+        for index in range(first, chunks):
+            if self.costs.recompute_cheaper(size):
+                break
+            fragment, bad = self._read(store, identity, digests[index], ids, index, exact=True)
+            exact = fragment is not None
+            if fragment is None and not bad and blend and index * size >= layout.anchor_length:
+                fragment, bad = self._read(store, identity, digests[index], ids, index, exact=False)
+            rejected += bad
+            if fragment is None:
+                break
+            if not exact:
+                exact_until = min(exact_until, index * size)
+            loaded.append(fragment)
+        end = end_at(layout, first * size + len(loaded) * size)
+        if end <= start:
+            return Restored(start, n, rejected)
+        with torch.inference_mode():
+            for fragment in loaded:
+                low, high = max(fragment.base_position, start), min(fragment.base_position + fragment.n_tokens, end)
+                if low >= high:
+                    continue
+                window = slice(low - fragment.base_position, high - fragment.base_position)
+                for layer, (keys, values) in enumerate(zip(fragment.keys, fragment.values, strict=True)):
+                    cache.write(layer, low, keys[..., window, :], values[..., window, :])
+        return Restored(end, exact_until if exact_until < end else n, rejected)
+
+    def _read(
+        self, store: ChunkStore, identity: _Identity, digest: str, ids: torch.Tensor, index: int, exact: bool
+    ) -> tuple[Fragment | None, int]:
+        """The chunk, or ``None``; and 1 when a stored blob was refused."""
+        key, size = _key(digest, exact), self.chunk_tokens
+        started = time.perf_counter()
+        try:
+            blob = store.load_chunk(key, tenant=identity.tenant)
+        except (StoreError, InvalidInputError) as exc:  # an accelerator: without the store, compute
+            logger.warning("cannot read a K/V chunk: %s", exc)
+            return None, 0
+        if blob is None:
+            return None, 0
+        num_layers, kv_heads, head_dim = self.geometry
+        try:
+            fragment = decode_fragment(
+                blob,
+                expect=_header(identity, key, exact),
+                kv_heads=kv_heads,
+                head_dim=head_dim,
+                num_layers=num_layers,
+                dtype=self.dtype,
+            )
+            expected_ids = tuple(ids[index * size : (index + 1) * size].tolist())
+            if fragment.token_ids != expected_ids or fragment.base_position != index * size:
+                raise CorruptFragmentError("the chunk's tokens or position are not the prompt's")
+        except CorruptFragmentError as exc:
+            logger.warning("refusing a stored K/V chunk: %s", exc)
+            return None, 1
+        self.costs.observe_fetch(size, time.perf_counter() - started)
+        self._remember(store, identity.namespace, key)
+        return fragment, 0
+
+    def save_later(
+        self, store: ChunkStore, namespace: str, cache: ShiftCache, ids: torch.Tensor, filled: int, exact_until: int
+    ) -> None:
+        """Queue the full chunks of slots ``[0, filled)`` not yet known to be in ``store`` for writing.
+
+        ``cache``'s slots are kept as views (nothing writes there again); the writer encodes them.
+        """
+        size = self.chunk_tokens
+        chunks = filled // size
+        if chunks == 0:
+            return
+        identity = self.identity(store, namespace)
+        digests = _chain(identity, ids, size, chunks)
+        jobs = []
+        for index, digest in enumerate(digests):
+            exact = (index + 1) * size <= exact_until
+            key = _key(digest, exact)
+            if self._is_known(store, namespace, key):
+                continue
+            kv = cache.view(index * size, (index + 1) * size)
+            fragment = Fragment(
+                token_ids=tuple(ids[index * size : (index + 1) * size].tolist()),
+                keys=tuple(k for k, _ in kv),
+                values=tuple(v for _, v in kv),
+                base_position=index * size,
+                context_digest=digest,
+            )
+            jobs.append((key, fragment, _header(identity, key, exact)))
+        if jobs:
+            self.writer.submit(lambda: self._write(store, identity, jobs))
+
+    def _write(self, store: ChunkStore, identity: _Identity, jobs: list[tuple[str, Fragment, dict[str, str]]]) -> None:
+        for key, fragment, header in jobs:
+            try:
+                store.save_chunk(key, encode_fragment(fragment, identity.spec, header), tenant=identity.tenant)
+            except StoreError as exc:
+                logger.warning("cannot store a K/V chunk: %s", exc)
+                return
+            self._remember(store, identity.namespace, key)
+
+    def _is_known(self, store: ChunkStore, namespace: str, key: str) -> bool:
+        with self._known_lock:
+            return (namespace, key) in self._known.get(store, ())
+
+    def _remember(self, store: ChunkStore, namespace: str, key: str) -> None:
+        with self._known_lock:
+            known = self._known.setdefault(store, set())
+            if len(known) >= _KNOWN_KEYS:
+                known.clear()
+            known.add((namespace, key))
+
+    def forget_known(self) -> None:
+        """Forget which chunks were written (the next calls check the store again)."""
+        with self._known_lock:
+            self._known.clear()
+
+
+class ChunkWriter:
+    """One background thread that writes chunks in the order they were handed over.
+
+    Started on first use; a daemon, so a process may end without it, and :meth:`flush` (also run at
+    exit) waits for what was queued. A write that fails is logged and dropped: chunks are an
+    accelerator, computed again when missing.
+    """
+
+    def __init__(self) -> None:
+        self._jobs: queue.Queue[Callable[[], None]] = queue.Queue()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    def submit(self, job: Callable[[], None]) -> None:
+        with self._lock:
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._run, name="kvshift-chunk-writer", daemon=True)
+                self._thread.start()
+                atexit.register(self.flush, 60.0)
+        self._jobs.put(job)
+
+    def _run(self) -> None:
+        while True:
+            job = self._jobs.get()
+            try:
+                job()
+            except Exception:  # noqa: BLE001 - a failed write must not end the writer; the K/V is computed again
+                logger.exception("writing K/V chunks failed")
+            finally:
+                self._jobs.task_done()
+
+    def flush(self, timeout_s: float | None = None) -> bool:
+        """Wait until every chunk handed over so far is written; ``False`` when ``timeout_s`` ran out first."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        with self._jobs.all_tasks_done:
+            while self._jobs.unfinished_tasks:
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    return False
+                self._jobs.all_tasks_done.wait(remaining)
+        return True
