@@ -7,13 +7,13 @@ test double or another implementation may too (the type checker says whether it 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Literal, Protocol, overload
+from typing import TYPE_CHECKING, Any, Literal, Protocol, overload, runtime_checkable
 
 if TYPE_CHECKING:
     from .engine import GenerationResult, GenerationStream
     from .store import MemoryRecord
 
-__all__ = ["Engine", "Store"]
+__all__ = ["ChunkStore", "Engine", "Store"]
 
 
 class Engine(Protocol):
@@ -30,6 +30,7 @@ class Engine(Protocol):
         max_new_tokens: int = 64,
         stream: Literal[False] = False,
         namespace: str | None = None,
+        kv_store: Any = None,
     ) -> GenerationResult: ...
 
     @overload
@@ -43,6 +44,7 @@ class Engine(Protocol):
         max_new_tokens: int = 64,
         stream: Literal[True],
         namespace: str | None = None,
+        kv_store: Any = None,
     ) -> GenerationStream: ...
 
     def warm(
@@ -84,3 +86,26 @@ class Store(Protocol):
     def claim_once(self, token: str, *, tenant: str) -> bool: ...
 
     def history(self, memory_id: str, *, tenant: str) -> list[MemoryRecord]: ...
+
+    def load_session(self, session_id: str, *, tenant: str) -> bytes | None: ...
+
+    def save_session(self, session_id: str, state: bytes, *, tenant: str, expected: bytes | None) -> bool: ...
+
+
+@runtime_checkable
+class ChunkStore(Protocol):
+    """Where an engine keeps a conversation's K/V chunks (``kv_store``; a :class:`~kvshift_memory.MemoryStore` is one).
+
+    Methods raise :class:`~kvshift_memory.StoreError` when the store cannot be reached.
+    """
+
+    codec: str
+    group_size: int
+
+    def load_chunk(self, key: str, *, tenant: str | None) -> bytes | None:
+        """The blob stored under ``key`` for ``tenant`` (``None``: the default namespace), or ``None``."""
+        ...
+
+    def save_chunk(self, key: str, blob: bytes, *, tenant: str | None) -> None:
+        """Keep a blob (the store may drop it later: chunks are bounded)."""
+        ...

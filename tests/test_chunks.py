@@ -47,15 +47,16 @@ def test_a_new_engine_restores_the_stored_chunks_and_answers_as_recompute(tmp_pa
     first = _written(_engine(tokenizer, family), store)
     assert first.stats.restored_tokens == 0
     chunks = store.stats()["chunks"]
-    # the answer's last token was never run (no K/V): the chunks cover the prompt and the rest
-    assert chunks == (first.stats.prompt_tokens + len(first.token_ids) - 1) // CHUNK > 0
+    # the answer's last token was never run (no K/V): full chunks cover the prompt and the rest, a tail the end
+    filled = first.stats.prompt_tokens + len(first.token_ids) - 1
+    assert chunks == filled // CHUNK + 1 and filled % CHUNK
 
     later = _engine(tokenizer, family)
     recomputed = later.generate(QUESTION, reuse="none", namespace="alice", max_new_tokens=4)
     later.clear_cache()  # what was computed stays in the prefix cache: the next call must miss it
     restored = later.generate(QUESTION, kv_store=store, namespace="alice", max_new_tokens=4)
     n = restored.stats.prompt_tokens
-    assert restored.stats.restored_tokens == restored.stats.reused_tokens == (n - 1) // CHUNK * CHUNK
+    assert restored.stats.restored_tokens == restored.stats.reused_tokens == n - 1  # all but the last token
     assert restored.stats.prefilled_tokens == n - restored.stats.restored_tokens
     assert restored.token_ids == recomputed.token_ids
     later.clear_cache()
@@ -73,7 +74,7 @@ def test_the_next_turn_restores_the_answer_too(tmp_path, tokenizer):
     turn = [*QUESTION, {"role": "assistant", "content": first.text, "token_ids": first.token_ids}]
     turn.append({"role": "user", "content": "And flat 4?"})
     later = _engine(tokenizer)
-    stored_until = (said.numel() - 1) // CHUNK * CHUNK  # the answer's last token has no K/V yet
+    stored_until = said.numel() - 1  # full chunks and the tail; the answer's last token has no K/V yet
     assert torch.equal(later.plan(turn, namespace="alice").layout.token_ids[: said.numel()], said)
     restored = later.generate(turn, kv_store=store, namespace="alice", max_new_tokens=4)
     assert restored.stats.restored_tokens == stored_until
@@ -85,7 +86,7 @@ def _row(engine, store, namespace: str, index: int) -> str:
     from kvshift_memory.store.layout import tier_key
 
     ids = engine.plan(QUESTION, namespace=namespace).layout.token_ids
-    digest = _chain(engine.chunks.identity(store, namespace), ids, CHUNK, index + 1)[index]
+    digest = _chain(engine.chunks.identity(store, namespace), ids, CHUNK, index + 1)[index + 1]  # after it
     return tier_key("c", namespace, _key(digest, exact=True))
 
 
@@ -216,7 +217,7 @@ def test_a_redis_store_restores_across_engines(redis_url, tokenizer):
     first = _written(_engine(tokenizer), store)
     again = MemoryStore(kv_url=redis_url, index_url=":memory:", embedder=HashEmbedder(), codec="fp32")
     result = _engine(tokenizer).generate(QUESTION, kv_store=again, namespace="alice", max_new_tokens=4)
-    assert result.stats.restored_tokens == (result.stats.prompt_tokens - 1) // CHUNK * CHUNK
+    assert result.stats.restored_tokens == result.stats.prompt_tokens - 1
     assert result.token_ids == first.token_ids
     assert again.stats()["chunks"] == store.stats()["chunks"] > 0
 

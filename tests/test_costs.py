@@ -71,3 +71,13 @@ def test_the_engine_recomputes_a_stored_memory_the_model_finds_cheaper(bundled_e
         stats.reused_tokens + stats.recomputed_tokens + stats.encoded_tokens + stats.prefilled_tokens
         == stats.prompt_tokens
     )
+
+
+def test_clear_forgets_every_observation():
+    costs = CostModel()
+    for tokens in (1, 100):
+        costs.observe_pass(tokens, tokens * 1e-6)
+    costs.observe_fetch(50, 1.0)
+    assert costs.recompute_cheaper(50)
+    costs.clear()
+    assert costs.pass_token_s() is None and costs.fetch_s(50) is None and not costs.recompute_cheaper(50)

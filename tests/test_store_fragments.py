@@ -31,8 +31,10 @@ def blob_keys(store: MemoryStore, record) -> list[str]:
 
 
 def cold(engine: KVShiftEngine, store: MemoryStore) -> None:
-    """Nothing in RAM: fragments must come from the disk tier (or be encoded)."""
+    """Nothing in RAM: fragments must come from the disk tier (or be encoded). The cost model
+    starts blank too: what earlier tests taught it on a busy machine must not decide these counts."""
     engine.clear_cache()
+    engine.costs.clear()
     store.clear_cache()
 
 

@@ -20,6 +20,11 @@ One turn (:meth:`AgentMemory.chat`):
    archived when it leaves it (or when the session is closed). "Remember …" always archives,
    "forget …" deletes the closest memory (:meth:`AgentMemory.forget`).
 
+With ``settings.resume`` (the default) the session lives in the store, not in the process: the
+window is saved after every change and read back by the next ``AgentMemory`` of the same user and
+session (a restart, another worker), and the engine keeps the conversation's K/V in the store's
+chunks, so the next process restores it instead of prefilling it (:mod:`.sessions`).
+
 Calls on one ``AgentMemory`` are serialised: a second ``chat`` waits for the first to finish.
 """
 
@@ -28,13 +33,13 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import replace
 from typing import Any, Literal, overload
 
 from .. import inputs
 from ..exceptions import InvalidInputError, MemoryNotFoundError, SessionBusyError
-from ..protocols import Engine, Store
+from ..protocols import ChunkStore, Engine, Store
 from .recall import (
     archive,
     archived_text,
@@ -45,6 +50,7 @@ from .recall import (
     similarity,
     store_once,
 )
+from .sessions import decode_window, encode_window
 from .settings import AgentSettings
 from .turns import STREAM_END, Reply, ReplyStream, StreamFailure, Turn, TurnPlan
 from .writeback import Decision, WriteBackModel, explicit_request
@@ -53,6 +59,8 @@ __all__ = ["AgentMemory", "AgentSettings", "Reply", "ReplyStream"]
 
 # template tokens a message costs around its content (`<|im_start|>user\n` ... `<|im_end|>\n`)
 _MESSAGE_OVERHEAD = 6
+# saves of a window another process changed meanwhile: each applies this one's change to theirs
+_SAVE_ATTEMPTS = 5
 
 
 class AgentMemory:
@@ -65,6 +73,7 @@ class AgentMemory:
     :param settings: :class:`AgentSettings`; keyword arguments override its fields.
     :param writeback: the write-back rule (default: the bundled one, ``WriteBackModel.bundled()``).
     :raises InvalidInputError: bad ids or settings.
+    :raises StoreError: with ``settings.resume``, the saved session could not be read.
 
     Use it as a context manager (or call :meth:`close`) so that turns still waiting in the window
     to be archived are archived when the session ends.
@@ -94,6 +103,9 @@ class AgentMemory:
         self._previous = ""  # the last turn's text (a reply, or an observed turn): a write-back feature
         self._lock = threading.Lock()
         self._stream_thread: int | None = None
+        self._saved: bytes | None = None  # the session's state in the store, as last read or written
+        if self.settings.resume:
+            self._refresh()
 
     # ------------------------------------------------------------------ memories
 
@@ -133,6 +145,7 @@ class AgentMemory:
         self._acquire(stream=False)
         try:
             new = self._supersede(target, text)
+            self._persist(lambda theirs: [_without(turn, target) for turn in theirs])
         finally:
             self._release()
         self._warm([new])
@@ -168,6 +181,7 @@ class AgentMemory:
                     "(none close enough, or two equally close); nothing was deleted"
                 )
             self._window = _forgetting(self._window, forgotten)
+            self._persist(lambda theirs: _forgetting(theirs, forgotten))
             return forgotten
         finally:
             self._release()
@@ -187,6 +201,8 @@ class AgentMemory:
                 for turn in self._window
                 if turn.decision == "defer" and turn.archived is None
             ]
+            if archived:
+                self._persist(lambda theirs: theirs)
             return [record for record in archived if record is not None]
         finally:
             self._release()
@@ -275,6 +291,7 @@ class AgentMemory:
                 max_new_tokens=max_new_tokens,
                 stream=True,
                 namespace=self.user_id,
+                kv_store=self.store if self.settings.resume and isinstance(self.store, ChunkStore) else None,
             )
         except BaseException:
             self._release()
@@ -362,6 +379,33 @@ class AgentMemory:
         self._stream_thread = None
         if self._lock.locked():
             self._lock.release()
+
+    def _refresh(self) -> None:
+        """Take the window from the store when another process saved this session since."""
+        raw = self.store.load_session(self.session_id, tenant=self.user_id)
+        if raw != self._saved:
+            self._window, self._previous = ([], "") if raw is None else decode_window(raw, self.store, self.user_id)
+            self._saved = raw
+
+    def _persist(self, change: Callable[[list[Turn]], list[Turn]]) -> None:
+        """Save the window; when another process saved this session since it was read, ``change``
+        (what this call did to the window) is applied to that window instead, and saved.
+
+        :raises SessionBusyError: other processes kept saving first.
+        """
+        if not self.settings.resume:
+            return
+        for _ in range(_SAVE_ATTEMPTS):
+            state = encode_window(self._window, self._previous)
+            if self.store.save_session(self.session_id, state, tenant=self.user_id, expected=self._saved):
+                self._saved = state
+                return
+            raw = self.store.load_session(self.session_id, tenant=self.user_id)
+            theirs = [] if raw is None else decode_window(raw, self.store, self.user_id)[0]
+            self._window, self._saved = change(theirs), raw
+        raise SessionBusyError(
+            f"session {self.session_id!r} kept changing in other processes; its window was not saved"
+        )
 
     def _system_messages(self) -> list[dict[str, Any]]:
         if self.settings.system_prompt is None:
@@ -498,6 +542,8 @@ class AgentMemory:
 
     def _plan(self, message: str, max_new_tokens: int) -> TurnPlan:
         started = time.perf_counter()
+        if self.settings.resume:
+            self._refresh()  # another worker may have answered this session's last turn
         forget = self._apply_forget(message)
         corrected, correction, ambiguous = (None, None, False) if forget else self._apply_correction(message)
         turns = list(self._window)
@@ -553,6 +599,7 @@ class AgentMemory:
         turn.tokens += self.engine.count_tokens(turn.reply, namespace=self.user_id) + _MESSAGE_OVERHEAD
         self._window = plan.kept_turns + [turn]
         self._previous = last_sentence(turn.reply)
+        self._persist(lambda theirs: [*theirs, turn])
         return Reply(
             message=plan.message,
             text=turn.reply,

@@ -36,6 +36,10 @@ class AgentSettings:
     :param busy_timeout_s: how long a call waits for another call on the same session to finish.
     :param write_back: ``False`` answers without remembering: no turn is archived or corrected
         (questions asked of a memory, as a benchmark asks them); the window still works.
+    :param resume: keep the session in the store: its working window (saved after every turn)
+        and its K/V (the engine's chunks), so that an ``AgentMemory`` of the same user and session
+        in another process, or on another worker, continues where it stopped without prefilling
+        the conversation again. ``False`` keeps both in this process only.
     """
 
     system_prompt: str | None = None
@@ -51,6 +55,7 @@ class AgentSettings:
     correction_min_score: float = 0.5
     busy_timeout_s: float = 300.0
     write_back: bool = True
+    resume: bool = True
 
     def __post_init__(self) -> None:
         if self.system_prompt is not None:
@@ -65,6 +70,9 @@ class AgentSettings:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not -1.0 <= value <= 1.0:
                 raise InvalidInputError(f"{name} must be a number in [-1, 1], got {value!r}")
+        for name in ("write_back", "resume"):
+            if not isinstance(getattr(self, name), bool):
+                raise InvalidInputError(f"{name} must be True or False, not {getattr(self, name)!r}")
         if self.reuse not in inputs.REUSE_MODES:
             raise InvalidInputError(f"reuse must be one of {inputs.REUSE_MODES}, got {self.reuse!r}")
         if self.recompute_ratio is not None:

@@ -24,7 +24,7 @@ import time
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
 import torch
 
@@ -32,35 +32,17 @@ from ..exceptions import CorruptFragmentError, InvalidInputError, StoreError
 from ..kv.cache import ShiftCache
 from ..kv.codec import CodecSpec, decode_fragment, encode_fragment
 from ..kv.fragment import Fragment
+from ..protocols import ChunkStore
 from .costs import CostModel
-from .prompt import PromptLayout
+from .prompt import PromptLayout, common_prefix
 
-__all__ = ["ChunkStore", "ChunkWriter", "StoredChunks"]
+__all__ = ["ChunkWriter", "StoredChunks"]
 
 logger = logging.getLogger("kvshift_memory.engine")
 
 # how many chunk keys per store the engine remembers as written, so that a long conversation
 # does not write its early chunks again after every turn (past it, the memo starts over)
 _KNOWN_KEYS = 1 << 16
-
-
-@runtime_checkable
-class ChunkStore(Protocol):
-    """Where the engine keeps chunks (a :class:`~kvshift_memory.MemoryStore` is one).
-
-    Methods raise :class:`~kvshift_memory.StoreError` when the store cannot be reached.
-    """
-
-    codec: str
-    group_size: int
-
-    def load_chunk(self, key: str, *, tenant: str | None) -> bytes | None:
-        """The blob stored under ``key`` for ``tenant`` (``None``: the default namespace), or ``None``."""
-        ...
-
-    def save_chunk(self, key: str, blob: bytes, *, tenant: str | None) -> None:
-        """Keep a blob (the store may drop it later: chunks are bounded)."""
-        ...
 
 
 @dataclass(frozen=True)
@@ -77,12 +59,12 @@ class _Identity:
 
 
 def _chain(identity: _Identity, ids: torch.Tensor, chunk_tokens: int, chunks: int) -> list[str]:
-    """The chain digest at the end of each of the first ``chunks`` chunks of ``ids``."""
+    """The chain digest before each of the first ``chunks`` chunks of ``ids``, and after the last one."""
     state = hashlib.blake2b(
         f"kvshift-chunk/1|{identity.fingerprint}|{identity.namespace}|{identity.spec.label}|{chunk_tokens}".encode(),
         digest_size=16,
     ).digest()
-    digests = []
+    digests = [state.hex()]
     for index in range(chunks):
         piece = ids[index * chunk_tokens : (index + 1) * chunk_tokens].to(torch.int64).numpy().tobytes()
         state = hashlib.blake2b(state + piece, digest_size=16).digest()
@@ -90,8 +72,10 @@ def _chain(identity: _Identity, ids: torch.Tensor, chunk_tokens: int, chunks: in
     return digests
 
 
-def _key(chain_digest: str, exact: bool) -> str:
-    return hashlib.blake2b(f"{chain_digest}|{'exact' if exact else 'blended'}".encode(), digest_size=16).hexdigest()
+def _key(digest: str, exact: bool, tail: bool = False) -> str:
+    """A full chunk's key (``digest``: the chain after it), or a tail's (``digest``: the chain before it)."""
+    kind = ("tail-" if tail else "") + ("exact" if exact else "blended")
+    return hashlib.blake2b(f"{digest}|{kind}".encode(), digest_size=16).hexdigest()
 
 
 def _header(identity: _Identity, key: str, exact: bool) -> dict[str, str]:
@@ -106,7 +90,8 @@ def _header(identity: _Identity, key: str, exact: bool) -> dict[str, str]:
 
 @dataclass(frozen=True)
 class Restored:
-    """What :meth:`StoredChunks.restore` placed: slots ``[start, end)``, exact until ``exact_until``."""
+    """What :meth:`StoredChunks.restore` placed: slots up to ``end``, exact until ``exact_until``;
+    ``rejected`` stored blobs refused."""
 
     end: int
     exact_until: int
@@ -115,6 +100,10 @@ class Restored:
 
 class StoredChunks:
     """Reads chunks into a prompt's cache, and hands the K/V of finished calls to a writer.
+
+    A conversation is stored as full chunks, and its *tail* (what follows the last full chunk)
+    under a key of the chain before it: the next turn restores it too, up to where its tokens
+    and the new prompt's part (any prefix of a chunk's K/V is the K/V of that prefix).
 
     :param fingerprint: the model's; ``geometry``: ``(num_layers, kv_heads, head_dim)``; ``dtype``: the model's.
     :param chunk_tokens: tokens per chunk.
@@ -135,7 +124,7 @@ class StoredChunks:
         self.chunk_tokens = chunk_tokens
         self.costs = costs
         self.writer = ChunkWriter()
-        # per store, the (namespace, key) of chunks known to be there (weak: a closed store is forgotten)
+        # per store, the (namespace, key) of full chunks known to be there (weak: a closed store is forgotten)
         self._known: weakref.WeakKeyDictionary[Any, set[tuple[str, str]]] = weakref.WeakKeyDictionary()
         self._known_lock = threading.Lock()
 
@@ -147,35 +136,37 @@ class StoredChunks:
     ) -> Restored:
         """Read the stored chunks that continue slots ``[0, start)`` of ``layout``'s prompt into ``cache``.
 
-        Chunks are read in order while each is stored, checks out and is cheaper to read than to
-        compute; blended chunks only when ``blend`` and past the prompt's anchor. ``end_at`` moves
-        an end back to a memory's start (a memory is placed whole); the last prompt token is
-        always left to run, for its logits.
+        Full chunks are read in order while each is stored, checks out and is cheaper to read than
+        to compute, then the tail stored after the last of them; blended K/V only when ``blend``
+        and past the prompt's anchor. ``end_at`` moves an end back to a memory's start (a memory is
+        placed whole); the last prompt token is always left to run, for its logits.
 
         :returns: where the restored K/V ends (``start`` when nothing was), and until where it is exact.
         """
         ids, n, size = layout.token_ids, layout.length, self.chunk_tokens
-        first, chunks = start // size, (n - 1) // size
-        if first >= chunks:
-            return Restored(start, n, 0)
+        chunks = (n - 1) // size  # the full chunks before the last prompt token
         identity = self.identity(store, layout.namespace)
         digests = _chain(identity, ids, size, chunks)
         loaded: list[Fragment] = []
         exact_until, rejected = n, 0
-        for index in range(first, chunks):
-            if self.costs.recompute_cheaper(size):
-                break
-            fragment, bad = self._read(store, identity, digests[index], ids, index, exact=True)
-            exact = fragment is not None
-            if fragment is None and not bad and blend and index * size >= layout.anchor_length:
-                fragment, bad = self._read(store, identity, digests[index], ids, index, exact=False)
+        index = start // size
+        while not self.costs.recompute_cheaper(size):
+            tail = index >= chunks
+            fragment, exact, bad = self._read_either(store, identity, ids, digests, index, tail, blend, layout)
+            if fragment is None and not tail and not bad:  # the tail stored at a missing chunk's place
+                tail = True
+                fragment, exact, bad = self._read_either(store, identity, ids, digests, index, tail, blend, layout)
             rejected += bad
             if fragment is None:
                 break
             if not exact:
                 exact_until = min(exact_until, index * size)
             loaded.append(fragment)
-        end = end_at(layout, first * size + len(loaded) * size)
+            if tail:
+                break
+            index += 1
+        reached = loaded[-1].base_position + loaded[-1].n_tokens if loaded else start
+        end = end_at(layout, min(reached, n - 1))
         if end <= start:
             return Restored(start, n, rejected)
         with torch.inference_mode():
@@ -188,11 +179,40 @@ class StoredChunks:
                     cache.write(layer, low, keys[..., window, :], values[..., window, :])
         return Restored(end, exact_until if exact_until < end else n, rejected)
 
+    def _read_either(
+        self,
+        store: ChunkStore,
+        identity: _Identity,
+        ids: torch.Tensor,
+        digests: list[str],
+        index: int,
+        tail: bool,
+        blend: bool,
+        layout: PromptLayout,
+    ) -> tuple[Fragment | None, bool, int]:
+        """Chunk ``index`` (or the tail stored there): exact, else blended where allowed.
+
+        :returns: the chunk or ``None``, whether it is exact, and how many stored blobs were refused.
+        """
+        digest = digests[index] if tail else digests[index + 1]
+        fragment, bad = self._read(store, identity, digest, ids, index, exact=True, tail=tail)
+        if fragment is not None or bad or not blend or index * self.chunk_tokens < layout.anchor_length:
+            return fragment, True, bad
+        fragment, bad = self._read(store, identity, digest, ids, index, exact=False, tail=tail)
+        return fragment, False, bad
+
     def _read(
-        self, store: ChunkStore, identity: _Identity, digest: str, ids: torch.Tensor, index: int, exact: bool
+        self,
+        store: ChunkStore,
+        identity: _Identity,
+        digest: str,
+        ids: torch.Tensor,
+        index: int,
+        exact: bool,
+        tail: bool,
     ) -> tuple[Fragment | None, int]:
-        """The chunk, or ``None``; and 1 when a stored blob was refused."""
-        key, size = _key(digest, exact), self.chunk_tokens
+        """The chunk (of a tail, the part the prompt shares) or ``None``, and 1 when a stored blob was refused."""
+        key, size = _key(digest, exact, tail), self.chunk_tokens
         started = time.perf_counter()
         try:
             blob = store.load_chunk(key, tenant=identity.tenant)
@@ -211,55 +231,71 @@ class StoredChunks:
                 num_layers=num_layers,
                 dtype=self.dtype,
             )
-            expected_ids = tuple(ids[index * size : (index + 1) * size].tolist())
-            if fragment.token_ids != expected_ids or fragment.base_position != index * size:
-                raise CorruptFragmentError("the chunk's tokens or position are not the prompt's")
+            if (
+                fragment.base_position != index * size
+                or fragment.n_tokens > size
+                or (not tail and fragment.n_tokens != size)
+            ):
+                raise CorruptFragmentError("the chunk's position or length is not its key's")
         except CorruptFragmentError as exc:
             logger.warning("refusing a stored K/V chunk: %s", exc)
             return None, 1
-        self.costs.observe_fetch(size, time.perf_counter() - started)
-        self._remember(store, identity.namespace, key)
-        return fragment, 0
+        self.costs.observe_fetch(fragment.n_tokens, time.perf_counter() - started)
+        prompt = tuple(ids[index * size : index * size + fragment.n_tokens].tolist())
+        shared = common_prefix(torch.tensor(fragment.token_ids), torch.tensor(prompt)) if tail else fragment.n_tokens
+        if not tail and fragment.token_ids != prompt:
+            logger.warning("refusing a stored K/V chunk: its tokens are not the prompt's")
+            return None, 1
+        if shared == 0:
+            return None, 0  # a tail another turn of this conversation wrote: it parted before its first token
+        if not tail:
+            self._remember(store, identity.namespace, key)
+        return _prefix(fragment, shared), 0
 
     def save_later(
         self, store: ChunkStore, namespace: str, cache: ShiftCache, ids: torch.Tensor, filled: int, exact_until: int
     ) -> None:
-        """Queue the full chunks of slots ``[0, filled)`` not yet known to be in ``store`` for writing.
+        """Queue the K/V of slots ``[0, filled)`` for writing to ``store``: the full chunks not yet
+        known to be there, and the tail after them.
 
         ``cache``'s slots are kept as views (nothing writes there again); the writer encodes them.
         """
         size = self.chunk_tokens
         chunks = filled // size
-        if chunks == 0:
-            return
         identity = self.identity(store, namespace)
         digests = _chain(identity, ids, size, chunks)
         jobs = []
-        for index, digest in enumerate(digests):
-            exact = (index + 1) * size <= exact_until
-            key = _key(digest, exact)
-            if self._is_known(store, namespace, key):
+        for index in range(chunks + 1):
+            end = min((index + 1) * size, filled)
+            if end <= index * size:
+                break
+            tail, exact = end - index * size < size, end <= exact_until
+            key = _key(digests[index] if tail else digests[index + 1], exact, tail)
+            if not tail and self._is_known(store, namespace, key):
                 continue
-            kv = cache.view(index * size, (index + 1) * size)
+            kv = cache.view(index * size, end)
             fragment = Fragment(
-                token_ids=tuple(ids[index * size : (index + 1) * size].tolist()),
+                token_ids=tuple(ids[index * size : end].tolist()),
                 keys=tuple(k for k, _ in kv),
                 values=tuple(v for _, v in kv),
                 base_position=index * size,
-                context_digest=digest,
+                context_digest=digests[index],
             )
-            jobs.append((key, fragment, _header(identity, key, exact)))
+            jobs.append((key, fragment, _header(identity, key, exact), not tail))
         if jobs:
             self.writer.submit(lambda: self._write(store, identity, jobs))
 
-    def _write(self, store: ChunkStore, identity: _Identity, jobs: list[tuple[str, Fragment, dict[str, str]]]) -> None:
-        for key, fragment, header in jobs:
+    def _write(
+        self, store: ChunkStore, identity: _Identity, jobs: list[tuple[str, Fragment, dict[str, str], bool]]
+    ) -> None:
+        for key, fragment, header, full in jobs:
             try:
                 store.save_chunk(key, encode_fragment(fragment, identity.spec, header), tenant=identity.tenant)
             except StoreError as exc:
                 logger.warning("cannot store a K/V chunk: %s", exc)
                 return
-            self._remember(store, identity.namespace, key)
+            if full:  # a tail is written again after every turn: what follows it changes
+                self._remember(store, identity.namespace, key)
 
     def _is_known(self, store: ChunkStore, namespace: str, key: str) -> bool:
         with self._known_lock:
@@ -276,6 +312,19 @@ class StoredChunks:
         """Forget which chunks were written (the next calls check the store again)."""
         with self._known_lock:
             self._known.clear()
+
+
+def _prefix(fragment: Fragment, tokens: int) -> Fragment:
+    """The K/V of the first ``tokens`` tokens of ``fragment`` (causal: they depend on nothing after)."""
+    if tokens == fragment.n_tokens:
+        return fragment
+    return Fragment(
+        token_ids=fragment.token_ids[:tokens],
+        keys=tuple(k[..., :tokens, :] for k in fragment.keys),
+        values=tuple(v[..., :tokens, :] for v in fragment.values),
+        base_position=fragment.base_position,
+        context_digest=fragment.context_digest,
+    )
 
 
 class ChunkWriter:

@@ -42,6 +42,12 @@ class CostModel:
         with self._lock:
             self._fetches.append((tokens, seconds))
 
+    def clear(self) -> None:
+        """Forget every observation: until new ones come, fragments and chunks are fetched."""
+        with self._lock:
+            self._passes.clear()
+            self._fetches.clear()
+
     def pass_token_s(self) -> float | None:
         """Marginal seconds per query token of a forward pass (``None`` until passes of two sizes were seen)."""
         with self._lock:

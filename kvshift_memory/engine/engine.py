@@ -23,10 +23,11 @@ from ..exceptions import ContextOverflowError, InvalidInputError
 from ..kv.cache import ForwardStep, ShiftCache
 from ..kv.fragment import Fragment
 from ..kv.rope import rotate_
+from ..protocols import ChunkStore
 from .allocator import keep_freed_memory
 from .attention import ATTENTION_NAME
 from .blend import last_adjacent_run, lead_possible, prefill_blend
-from .chunks import ChunkStore, StoredChunks
+from .chunks import StoredChunks
 from .costs import CostModel
 from .decoding import GenerationStream, eos_ids, generate_steps, score_continuation
 from .families import PositionScheme, position_scheme, text_decoder

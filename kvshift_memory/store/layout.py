@@ -11,6 +11,8 @@ Layout (every key component percent-encoded; ``t`` tenant, ``m`` memory id):
 ``x/t/hash``         the memory id of a text hash (the design's second path: text -> fragment)
 ``ac/t/m``           access count; ``al/t/m``: last access time
 ``o/t/digest``       a token claimed once (:meth:`MemoryStore.claim_once`: a request carried out)
+``s/t/session``      an agent's saved session (its working window, JSON), replaced by compare-and-set
+``c/t/key``          a chunk of a conversation's K/V (kept apart by the tier, bounded; see :mod:`.tiers`)
 ``log``              the change log the index replays
 ``store_id``         the store's identity in a shared Qdrant collection (made once, by compare-and-set)
 ===================  ====================================================================

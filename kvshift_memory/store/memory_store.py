@@ -63,6 +63,8 @@ logger = logging.getLogger("kvshift_memory.store")
 MAX_SEARCH_K = 1000
 # how often the store reads its tier's clock again (between reads it counts this process's monotonic time)
 _CLOCK_REFRESH_S = 5.0
+# chunks of a memory:// store sit in this process's RAM beside the engine's own prefix cache
+_RAM_CHUNK_BYTES = 256 << 20
 # fresh ids an add tries when gc fenced its write as abandoned (a writer stalled past the grace)
 _ADD_ATTEMPTS = 3
 
@@ -98,8 +100,9 @@ class MemoryStore:
         ones. Stores that share one still keep apart: each point carries its store's identity
         (kept in the tier), every query and :meth:`check` see only this store's points.
     :param chunk_bytes: the byte budget of the conversation K/V chunks an engine keeps here (in
-        RAM for ``memory://``, in ``path/kv/chunks`` for a folder), least recently used evicted first;
-        ``0`` keeps none. Chunks can always be computed again: records are never evicted.
+        ``path/kv/chunks`` for a folder, default 4 GiB; in RAM for ``memory://``, default 256 MiB),
+        least recently used evicted first; ``0`` keeps none. Chunks can always be computed again:
+        records are never evicted.
     :param chunk_ttl_s: how long a chunk stays in Redis after it was last written or read.
     :param keyword_weight: how much the keyword path adds to a hit's score (a hit's ``score`` is
         its cosine similarity plus this times its IDF-weighted keyword overlap); ``0`` searches by
@@ -121,7 +124,7 @@ class MemoryStore:
         keyword_weight: float = 0.05,
         index_api_key: str | None = None,
         index_collection_prefix: str = "kvshift",
-        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        chunk_bytes: int | None = None,
         chunk_ttl_s: float = DEFAULT_CHUNK_TTL_S,
     ) -> None:
         if path is None and kv_url is None:
@@ -130,6 +133,9 @@ class MemoryStore:
             raise InvalidInputError(f"path must be a folder path, got {type(path).__name__}")
         check_codec(codec, group_size)
         inputs.check_non_negative_int(hot_bytes, "hot_bytes")
+        if chunk_bytes is None:
+            in_ram = kv_url is not None and str(kv_url).startswith("memory://")
+            chunk_bytes = _RAM_CHUNK_BYTES if in_ram else DEFAULT_CHUNK_BYTES
         inputs.check_non_negative_int(chunk_bytes, "chunk_bytes")
         if isinstance(chunk_ttl_s, bool) or not isinstance(chunk_ttl_s, (int, float)) or not 1 <= chunk_ttl_s <= 1e9:
             raise InvalidInputError(f"chunk_ttl_s must be a number of seconds in [1, 1e9], got {chunk_ttl_s!r}")
@@ -552,6 +558,36 @@ class MemoryStore:
         if live is None or live.version != record.version or live.source_text_hash != text_hash(record.text):
             return None
         return tier_key("f", record.tenant, record.id, record.version, variant)
+
+    # ---------------------------------------------------------------- sessions (used by the agent)
+
+    def load_session(self, session_id: str, *, tenant: str) -> bytes | None:
+        """The state an agent saved for this session of ``tenant`` (its working window), or ``None``.
+
+        What comes back is untrusted: the agent parses and checks it.
+
+        :raises InvalidInputError: a malformed tenant or session id.
+        :raises StoreError: the tier failed.
+        """
+        return self.tier.get(self._session_key(session_id, tenant))
+
+    def save_session(self, session_id: str, state: bytes, *, tenant: str, expected: bytes | None) -> bool:
+        """Replace the session's state if it is still ``expected`` (``None``: none saved yet).
+
+        :returns: ``False`` (nothing written) when another process saved it first: read it again.
+        :raises InvalidInputError: a malformed tenant or session id, or a state that is not bytes
+            or is over 16 MiB.
+        :raises StoreError: the tier failed.
+        """
+        key = self._session_key(session_id, tenant)
+        if not isinstance(state, (bytes, bytearray)) or len(state) > 16 * inputs.MAX_TEXT_CHARS:
+            raise InvalidInputError("a session state is bytes, at most 16 MiB")
+        return self.tier.compare_and_set(key, expected, bytes(state))
+
+    def _session_key(self, session_id: Any, tenant: Any) -> str:
+        return tier_key(
+            "s", inputs.check_identifier(tenant, "tenant"), inputs.check_identifier(session_id, "session_id")
+        )
 
     # ---------------------------------------------------------------- chunks (used by the engine)
 
