@@ -47,6 +47,7 @@ bench: install
 	$(PY) benchmarks/fidelity.py --datasets locomo,memorybank-exchanges,memorybank-facts
 	$(PY) benchmarks/attention.py
 	$(PY) benchmarks/store.py
+	$(PY) benchmarks/resume.py
 	$(PY) benchmarks/writeback.py
 	$(PY) benchmarks/recall.py
 	$(PY) benchmarks/turns.py

@@ -20,6 +20,7 @@ import json
 import sys
 from collections.abc import Sequence
 from dataclasses import asdict
+from typing import Any
 
 from .exceptions import KVShiftError
 
@@ -62,7 +63,7 @@ def _chat(args: argparse.Namespace) -> int:
     """A conversation on the terminal; ``/history ID``, ``/window`` and ``/quit`` are commands."""
     import torch
 
-    from . import AgentMemory, KVShiftEngine
+    from . import KVShiftEngine
     from .engine.loading import kvshift_home
 
     torch.set_num_threads(min(2, torch.get_num_threads()))
@@ -70,45 +71,55 @@ def _chat(args: argparse.Namespace) -> int:
         args.path = str(kvshift_home() / "store")
     engine = KVShiftEngine.from_pretrained(args.model)
     with _open_store(args) as store:
-        agent = AgentMemory(
-            engine, store, user_id=args.user, session_id=args.session, max_new_tokens=args.max_new_tokens
-        )
-        print(f"kvshift chat: user {args.user!r}, session {args.session!r}, store {store.tier.url}; /quit to leave")
-        while True:
-            try:
-                line = input("you> ")
-            except EOFError:
-                print()
-                return 0
-            if not line.strip():
-                continue
-            if line.strip() == "/quit":
-                return 0
-            if line.strip() == "/window":
-                for user, answer in agent.window:
-                    print(f"  you: {user}\n  bot: {answer}")
-                continue
-            if line.startswith("/history "):
-                for version in agent.history(line.split(maxsplit=1)[1].strip()):
-                    print(f"  v{version.version} [{version.status}] {version.text}")
-                continue
-            try:
-                stream = agent.chat(line, stream=True)
-                print("bot> ", end="", flush=True)
-                for piece in stream:
-                    print(piece, end="", flush=True)
-                reply = stream.reply
-                assert reply is not None  # an exhausted stream has committed its reply
-                stats = reply.stats
-                print(
-                    f"\n     [{reply.ttft_s * 1000:.0f} ms to first token; {stats.reused_tokens}/{stats.prompt_tokens} "
-                    f"prompt tokens reused; {len(reply.recalled)} memories recalled; {reply.decision}]"
-                )
-            except KVShiftError as exc:  # a refused message loses nothing: say why and go on
-                print(f"kvshift: {exc}", file=sys.stderr)
+        try:
+            return _converse(engine, store, args)
+        finally:
+            engine.flush_chunks(timeout_s=60)  # the last turn's K/V, for the next run to restore
 
 
-BENCHMARKS = ("ttft", "fidelity", "store", "writeback", "recall", "turns", "locomo")
+def _converse(engine: Any, store: Any, args: argparse.Namespace) -> int:
+    from . import AgentMemory
+
+    agent = AgentMemory(engine, store, user_id=args.user, session_id=args.session, max_new_tokens=args.max_new_tokens)
+    print(f"kvshift chat: user {args.user!r}, session {args.session!r}, store {store.tier.url}; /quit to leave")
+    if agent.window:
+        print(f"resumed: {len(agent.window)} earlier turns in the window (/window shows them), their K/V in the store")
+    while True:
+        try:
+            line = input("you> ")
+        except EOFError:
+            print()
+            return 0
+        if not line.strip():
+            continue
+        if line.strip() == "/quit":
+            return 0
+        if line.strip() == "/window":
+            for user, answer in agent.window:
+                print(f"  you: {user}\n  bot: {answer}")
+            continue
+        if line.startswith("/history "):
+            for version in agent.history(line.split(maxsplit=1)[1].strip()):
+                print(f"  v{version.version} [{version.status}] {version.text}")
+            continue
+        try:
+            stream = agent.chat(line, stream=True)
+            print("bot> ", end="", flush=True)
+            for piece in stream:
+                print(piece, end="", flush=True)
+            reply = stream.reply
+            assert reply is not None  # an exhausted stream has committed its reply
+            stats = reply.stats
+            restored = f" ({stats.restored_tokens} from stored K/V)" if stats.restored_tokens else ""
+            print(
+                f"\n     [{reply.ttft_s * 1000:.0f} ms to first token; {stats.reused_tokens}/{stats.prompt_tokens} "
+                f"prompt tokens reused{restored}; {len(reply.recalled)} memories recalled; {reply.decision}]"
+            )
+        except KVShiftError as exc:  # a refused message loses nothing: say why and go on
+            print(f"kvshift: {exc}", file=sys.stderr)
+
+
+BENCHMARKS = ("ttft", "fidelity", "store", "resume", "writeback", "recall", "turns", "locomo")
 
 
 def _bench(args: argparse.Namespace) -> int:

@@ -2,7 +2,9 @@
 
 Session 1 tells the agent a few facts (stated, not asked), some small talk, then corrects one
 fact; each turn reuses the previous turn's cache and prefills only what is new, and write-back
-archives every stated fact while the small talk stays in the window. Session 2 (a new
+archives every stated fact while the small talk stays in the window. Then session 1 is resumed
+as a new process would resume it (the engine's caches emptied, the store opened again): its
+window comes back from the store, and its K/V from the store's chunks instead of a prefill. Session 2 (a new
 conversation, as a new process would hold it) asks about them: the facts come back from the
 store, the corrected one at its new version only. Each question is answered twice, with the same
 recall: with ``reuse="none"`` (everything recomputed) and with the agent's default reuse; the
@@ -25,6 +27,7 @@ SESSION_1 = [
     "Marta books the hotel near Praça do Comércio and wants every receipt within a week.",
     "The budget for the Lisbon trip is not 50k, it is 70k euros.",
 ]
+RESUMED = "Remind me, who books the hotel?"
 SESSION_2 = [
     "What is the budget for the Lisbon trip?",
     "Who needs a sitter during the trip?",
@@ -68,6 +71,19 @@ def run_demo(store_path: str | None = None, max_new_tokens: int = 32) -> int:
                 print("\nhistory of the corrected memory:")
                 for version in planning.history(corrected.corrected.id):
                     print(f"  v{version.version} [{version.status}] {version.text}")
+
+            print("\n== session 1 resumed after a restart ==")
+            engine.flush_chunks(timeout_s=120)  # the K/V of session 1, written in the background
+            engine.clear_cache()  # a new process holds nothing: what is reused comes from the store
+            with MemoryStore(folder) as reopened:
+                resumed = AgentMemory(engine, reopened, user_id="alice", session_id="planning", settings=settings)
+                earlier = len(resumed.window)
+                s = resumed.chat(RESUMED).stats
+                print(
+                    f"window read back from the store: {earlier} turns; prompt of {s.prompt_tokens} tokens: "
+                    f"{s.restored_tokens} ({s.restored_tokens / s.prompt_tokens:.0%}) restored from stored K/V, "
+                    f"{s.prompt_tokens - s.reused_tokens} computed; {s.ttft_s * 1000:.0f} ms to first token"
+                )
 
             print("\n== session 2: a new conversation, a week later ==")
             asking = AgentSettings(max_new_tokens=max_new_tokens, write_back=False)

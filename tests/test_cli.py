@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -76,9 +77,14 @@ def test_chat_answers_lines_from_stdin_and_remembers_across_runs(tmp_path, monke
     assert out.count("bot> ") == 2 and "prompt tokens reused" in out and "you: My cat Miso" in out
     monkeypatch.setattr("sys.stdin", io.StringIO("When was Miso born?\n"))  # EOF ends the chat
     assert main(["chat", store, "--user", "ana", "--session", "two", "--max-new-tokens", "4"]) == 0
-    import re
 
     assert re.search(r"[1-4] memories recalled", capsys.readouterr().out)  # what session one archived
+    monkeypatch.setattr("sys.stdin", io.StringIO("And where was she born?\n"))
+    assert main(["chat", store, "--user", "ana", "--session", "one", "--max-new-tokens", "4"]) == 0  # a restart
+    out = capsys.readouterr().out
+    assert "resumed: 2 earlier turns" in out
+    restored = re.search(r"(\d+)/(\d+) prompt tokens reused \((\d+) from stored K/V\)", out)
+    assert restored is not None and int(restored.group(3)) > 0, out
 
 
 @pytest.mark.model
@@ -127,6 +133,9 @@ def test_demo_runs_both_sessions_with_recall_and_a_correction(capsys):
     thanks = next(line for line in out.splitlines() if line.startswith("ok, thanks!"))
     assert thanks.rstrip().endswith("window")  # small talk stays in the window, never stored
     assert "demo finished" in out
+    resumed = out.split("== session 1 resumed after a restart ==")[1].split("== session 2")[0]
+    restored = re.search(r"window read back from the store: (\d+) turns; prompt of (\d+) tokens: (\d+) \(", resumed)
+    assert restored is not None and int(restored.group(1)) == 6 and int(restored.group(3)) > 0, resumed
 
 
 def test_models_list_says_what_is_installed(capsys):

@@ -186,7 +186,9 @@ class ChatKVShift(BaseChatModel):
         full recompute's where the recalled memories sit in front of the latest message, as the
         memories and the middleware put them); 0 shifts memories in without repair: the fastest,
         and it changes some answers (docs/benchmarks/writeback.md).
-    :param store: with ``user_id`` (and ``session_id``), memory markers in human messages that
+    :param store: the conversation's K/V is kept there (``kv_store``): a LangGraph thread continued
+        after a restart or on another worker restores it instead of prefilling it again. With
+        ``user_id`` (and ``session_id``), memory markers in human messages that
         name this user's memories resolve to them and bring their stored K/V (``docs/how-it-works.md``); without
         a store every marker is plain text. Markers are never shown to the model.
     :param user_id: the tenant, also without a store: the engine reuses K/V only from this user's
@@ -315,6 +317,7 @@ class ChatKVShift(BaseChatModel):
         options.update({_CALL_OPTIONS[name]: value for name, value in kwargs.items() if name in _CALL_OPTIONS})
         options["stop"] = list(self.stop or []) + list(stop or [])
         options["namespace"] = kwargs.get("user_id", self.user_id)
+        options["kv_store"] = self.store  # the thread's K/V kept there: another worker or process continues from it
         if options["repetition_penalty"] is None:
             options["repetition_penalty"] = _CONSTRAINED_REPETITION_PENALTY if constrained else 1.0
         return options

@@ -143,3 +143,36 @@ def test_one_user_cannot_read_anothers_prompt_from_cache_reads():
         assert sum(a == b for a, b in zip(guessed, code, strict=False)) <= 1, (code, guessed)
         # the same attack inside the victim's own namespace reads the code back: the channel is real
         assert _guess_code(ChatKVShift(max_tokens=1, user_id=f"alice-{run}"), len(code)) == code
+
+
+def test_a_langgraph_thread_continued_after_a_restart_restores_its_kv_from_the_store(tmp_path):
+    """A thread's history comes back from the checkpointer (shared by the workers); its K/V from the
+    store the model was given: the new process prefills only the new message."""
+    from langchain.agents import create_agent
+    from langgraph.checkpoint.memory import InMemorySaver
+
+    from kvshift_memory import KVShiftEngine, MemoryStore
+
+    checkpointer, thread = InMemorySaver(), {"configurable": {"thread_id": "t1"}}
+
+    def worker(store):  # a process of its own: a new engine, nothing cached
+        engine = KVShiftEngine.from_pretrained()
+        return engine, create_agent(
+            model=ChatKVShift(engine=engine, store=store, user_id="alice", max_tokens=24),
+            tools=[],
+            system_prompt=SYSTEM,
+            checkpointer=checkpointer,
+        )
+
+    with MemoryStore(tmp_path / "store") as store:
+        engine, agent = worker(store)
+        agent.invoke({"messages": [HumanMessage("Which cities are we visiting?")]}, thread)
+        agent.invoke({"messages": [HumanMessage("What currency is the budget in?")]}, thread)
+        engine.flush_chunks(timeout_s=60)
+    with MemoryStore(tmp_path / "store") as store:
+        _, agent = worker(store)
+        state = agent.invoke({"messages": [HumanMessage("Which city is in Spain?")]}, thread)
+    reply = state["messages"][-1]
+    stats, usage = reply.response_metadata["reuse_stats"], reply.usage_metadata
+    assert len(state["messages"]) == 6 and stats["restored_tokens"] > 0
+    assert usage["input_token_details"]["cache_read"] >= 0.7 * usage["input_tokens"], usage

@@ -11,7 +11,7 @@ from llama_index.core.chat_engine import CondensePlusContextChatEngine, SimpleCh
 from llama_index.core.llms import ChatMessage
 from llama_index.core.schema import NodeWithScore, QueryBundle, TextNode
 
-from kvshift_memory import InvalidInputError, MemoryStore
+from kvshift_memory import InvalidInputError, KVShiftEngine, MemoryStore
 from kvshift_memory.adapters import render_marker
 from llama_index.llms.kvshift import KVShiftLLM
 from llama_index.memory.kvshift import KVShiftMemory
@@ -210,9 +210,12 @@ def test_a_memory_over_a_persisted_chat_store_continues_the_conversation_after_a
     # the same window, with the same memories in front of the same messages: the same prompt
     assert [(m.role, m.content) for m in restored.get()] == [(m.role, m.content) for m in memory.get()]
     assert "⟦mem:" in "".join(m.content for m in restored.get())
-    again = SimpleChatEngine.from_defaults(llm=llm, memory=restored)
+    # and a new engine (nothing cached): the conversation's K/V comes from the store, not a prefill
+    llm.engine.flush_chunks(timeout_s=60)
+    fresh, seen = _llm(store, engine=KVShiftEngine.from_pretrained())
+    again = SimpleChatEngine.from_defaults(llm=fresh, memory=restored)
     assert again.chat("Thanks, that helps.").response
-    assert seen[-1]["fragments_missed"] == 0
+    assert seen[-1]["fragments_missed"] == 0 and seen[-1]["restored_tokens"] > 0, seen[-1]
     assert "kvshift_recalled" not in str([m.additional_kwargs for m in restored.get_all()])
 
 

@@ -78,7 +78,9 @@ class KVShiftLLM(CustomLLM):
         full recompute's where the recalled memories sit in front of the latest message, as the
         memories and the middleware put them); 0 shifts memories in without repair: the fastest,
         and it changes some answers (docs/benchmarks/writeback.md).
-    :param store: with ``user_id`` (and ``session_id``), memory markers in user messages that name
+    :param store: the conversation's K/V is kept there (``kv_store``), so a chat continued in another
+        process or worker restores it instead of prefilling it again; with ``user_id`` (and
+        ``session_id``), memory markers in user messages that name
         this user's memories resolve to them and bring their stored K/V; without a store every
         marker is plain text. Markers are never shown to the model.
     :param user_id: the tenant, also without a store: the engine reuses K/V only from this user's
@@ -138,6 +140,7 @@ class KVShiftLLM(CustomLLM):
             "temperature": kwargs.get("temperature", self.temperature),
             "stop": kwargs.get("stop"),
             "namespace": self.user_id,
+            "kv_store": self.store,  # the conversation's K/V kept there: another process continues from it
         }
 
     def _generate(self, messages: list[dict[str, Any]], kwargs: dict[str, Any]) -> GenerationResult:
