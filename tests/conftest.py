@@ -215,6 +215,40 @@ def redis_url():
     server.stop()
 
 
+@pytest.fixture(scope="session")
+def redis_cluster_url():
+    """A real three-node Redis Cluster on 127.0.0.1, for the whole session (any node's URL)."""
+    from redis_server import RedisCluster
+
+    try:
+        cluster = RedisCluster()
+    except RuntimeError as exc:
+        if os.environ.get("CI"):
+            raise
+        pytest.skip(str(exc))
+    yield cluster.url
+    cluster.stop()
+
+
+def empty_redis(backend: str, request) -> str:
+    """The URL of the ``"redis"`` or ``"redis-cluster"`` backend's server, emptied."""
+    return flushed(request.getfixturevalue("redis_url" if backend == "redis" else "redis_cluster_url"))
+
+
+def flushed(url: str) -> str:
+    """``url``'s Redis (one server or a cluster) emptied; returns ``url``."""
+    import redis
+    from redis.cluster import RedisCluster
+
+    client = redis.Redis.from_url(url)
+    if client.info("cluster").get("cluster_enabled"):
+        client.close()
+        client = RedisCluster.from_url(url)
+    client.flushdb()
+    client.close()
+    return url
+
+
 @contextlib.contextmanager
 def held_elsewhere(lock):
     """Hold the context manager ``lock`` in another thread while the body runs (what a busy process does)."""
@@ -235,7 +269,7 @@ def held_elsewhere(lock):
         thread.join()
 
 
-BACKENDS = ("memory", "disk", "redis")
+BACKENDS = ("memory", "disk", "redis", "redis-cluster")
 
 
 @pytest.fixture(params=BACKENDS)
@@ -257,11 +291,9 @@ def make_store(backend, tmp_path, embedder, request):
         elif backend == "disk":
             store = MemoryStore(tmp_path / f"store{len(made)}", **options)
         else:
-            url = request.getfixturevalue("redis_url")
-            import redis
-
+            url = request.getfixturevalue("redis_url" if backend == "redis" else "redis_cluster_url")
             if not made:  # a fresh database per test; a second store in one test shares it
-                redis.Redis.from_url(url).flushdb()
+                empty_redis(backend, request)
             store = MemoryStore(kv_url=url, index_url=":memory:", **options)
         made.append(store)
         return store

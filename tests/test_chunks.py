@@ -209,10 +209,11 @@ def test_redis_chunks_take_a_time_to_live_that_a_read_renews(redis_url):
     tier.close()
 
 
-def test_a_redis_store_restores_across_engines(redis_url, tokenizer):
-    import redis
+@pytest.mark.parametrize("backend", ["redis", "redis-cluster"])
+def test_a_redis_store_restores_across_engines(backend, request, tokenizer):
+    from conftest import empty_redis
 
-    redis.Redis.from_url(redis_url).flushdb()
+    redis_url = empty_redis(backend, request)
     store = MemoryStore(kv_url=redis_url, index_url=":memory:", embedder=HashEmbedder(), codec="fp32")
     first = _written(_engine(tokenizer), store)
     again = MemoryStore(kv_url=redis_url, index_url=":memory:", embedder=HashEmbedder(), codec="fp32")

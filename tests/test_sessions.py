@@ -61,12 +61,21 @@ def test_a_new_process_continues_the_session_with_its_kv_restored(engines, folde
 
 
 @pytest.mark.model
-def test_two_workers_alternating_turns_each_read_the_conversation_from_cache(engines, folder, embedder):
+@pytest.mark.parametrize("backend", ["disk", "redis-cluster"])
+def test_two_workers_alternating_turns_each_read_the_conversation_from_cache(
+    engines, folder, embedder, backend, request
+):
     """Behind a load balancer: turns of one session land on two workers in turn, each with its own
     engine and store object; each sees the other's turns and reads the prompt from cache."""
+    from conftest import empty_redis
+
     for engine in engines:
         engine.clear_cache()
-    stores = [_store(folder, embedder) for _ in engines]
+    if backend == "disk":
+        stores = [_store(folder, embedder) for _ in engines]
+    else:
+        url = empty_redis(backend, request)
+        stores = [MemoryStore(kv_url=url, index_url=":memory:", embedder=embedder) for _ in engines]
     workers = [_agent(engine, store) for engine, store in zip(engines, stores, strict=True)]
     shares = []
     for index, message in enumerate(TURNS + ["What is my budget?", "Who comes with me?"]):

@@ -257,12 +257,10 @@ def test_racing_supersedes_publish_exactly_one_writer(backend, tmp_path, request
     from kvshift_memory.exceptions import VersionConflictError
 
     embedder = HashEmbedder()  # deterministic: an embedding can be checked against its text
-    if backend == "redis":
-        import redis
+    if backend.startswith("redis"):
+        from conftest import empty_redis
 
-        url = request.getfixturevalue("redis_url")
-        redis.Redis.from_url(url).flushdb()
-        store = MemoryStore(kv_url=url, index_url=":memory:", embedder=embedder)
+        store = MemoryStore(kv_url=empty_redis(backend, request), index_url=":memory:", embedder=embedder)
     elif backend == "disk":
         store = MemoryStore(tmp_path / "s", embedder=embedder)
     else:

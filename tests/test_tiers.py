@@ -19,11 +19,9 @@ def tier(backend, tmp_path, request):
     elif backend == "disk":
         made = DiskTier(tmp_path / "kv")
     else:
-        import redis
+        from conftest import empty_redis
 
-        url = request.getfixturevalue("redis_url")
-        redis.Redis.from_url(url).flushdb()
-        made = RedisTier(url)
+        made = RedisTier(empty_redis(backend, request))
     yield made
     made.close()
 

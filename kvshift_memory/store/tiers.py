@@ -5,7 +5,9 @@
   is ever evicted. It also sits in front of the other two as a read-through cache of blobs.
 - :class:`DiskTier`: a ``diskcache`` folder, the embedded default. SQLite transactions make every
   operation below atomic across processes.
-- :class:`RedisTier`: ``redis://`` for processes and machines sharing one memory.
+- :class:`RedisTier`: ``redis://`` for processes and machines sharing one memory, on one server or
+  a Redis Cluster (found out on connecting). Every operation touches one key, so each is atomic
+  on whichever node holds its slot.
 
 Keys are ``str``, values ``bytes``. The store only needs: read, write,
 compare-and-set, delete, a counter, an append-only log, a prefix scan and a clock. Every one of
@@ -30,7 +32,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Iterator
-from typing import Protocol
+from typing import Any, Protocol
 from urllib.parse import urlsplit
 
 import diskcache
@@ -456,14 +458,11 @@ class DiskTier:
             self._chunk_cache.close()
 
 
-# the lengths of many values in one round trip (inspect counts chunk bytes with it)
-_STRLENS = "local out = {} for i, key in ipairs(KEYS) do out[i] = redis.call('STRLEN', key) end return out"
-
-
 class RedisTier:
     """A Redis database shared by every process and machine that opens the same URL.
 
-    :param url: ``redis://host:port/db`` (``rediss://`` for TLS).
+    :param url: ``redis://host:port/db`` (``rediss://`` for TLS); a node of a Redis Cluster is
+        recognised and the whole cluster used (keys spread over its nodes by slot).
     :param chunk_ttl_s: how long a chunk is kept after it was last written or read.
     :raises StoreError: the server cannot be reached.
     """
@@ -489,8 +488,14 @@ class RedisTier:
         self.url = url
         self.chunk_ttl_ms = max(1, round(chunk_ttl_s * 1000))
         self._errors = (redis.RedisError,)
+        options = {"socket_connect_timeout": 5, "socket_timeout": 30}
         try:
-            self._client = redis.Redis.from_url(url, socket_connect_timeout=5, socket_timeout=30)
+            self._client: Any = redis.Redis.from_url(url, **options)  # or a RedisCluster, below
+            if self._client.info("cluster").get("cluster_enabled"):
+                from redis.cluster import RedisCluster
+
+                self._client.close()
+                self._client = RedisCluster.from_url(url, **options)
             self._client.ping()
         except redis.RedisError as exc:
             raise StoreError(f"cannot reach Redis at {url}: {exc}") from exc
@@ -530,7 +535,10 @@ class RedisTier:
             raise
 
     def now(self) -> float:
-        seconds, microseconds = self._call("time")
+        answer = self._call("time")
+        if isinstance(answer, dict):  # a cluster may answer per node: any node's clock is the servers'
+            answer = next(iter(answer.values()))
+        seconds, microseconds = answer
         return float(seconds) + float(microseconds) / 1e6
 
     def set_chunk(self, key: str, value: bytes) -> None:
@@ -540,8 +548,13 @@ class RedisTier:
         return self._call("getex", key, px=self.chunk_ttl_ms)  # a chunk in use stays
 
     def chunk_usage(self) -> tuple[int, int]:
-        keys = list(self.scan(CHUNK_PREFIX))
-        sizes = [int(size) for size in self._call("eval", _STRLENS, len(keys), *keys)] if keys else []
+        pipeline = self._client.pipeline()  # one round trip (per node in a cluster)
+        for key in self.scan(CHUNK_PREFIX):
+            pipeline.strlen(key)
+        try:
+            sizes = [int(size) for size in pipeline.execute()]
+        except self._errors as exc:
+            raise StoreError(f"Redis at {self.url} failed on chunk usage: {exc}") from exc
         return len(sizes), sum(sizes)
 
     def append(self, log: str, value: bytes) -> int:
