@@ -200,17 +200,23 @@ def embedder():
     return MiniLMEmbedder()
 
 
+def started(server_class, **options):
+    """``server_class(**options)`` started, or the test skipped where it cannot start; never in CI,
+    which installs redis-server: its absence there is a failure."""
+    try:
+        return server_class(**options)
+    except RuntimeError as exc:
+        if os.environ.get("CI"):
+            raise
+        pytest.skip(str(exc))
+
+
 @pytest.fixture(scope="session")
 def redis_url():
     """A real redis-server on 127.0.0.1 and a free port, for the whole session."""
     from redis_server import RedisServer
 
-    try:
-        server = RedisServer()
-    except RuntimeError as exc:
-        if os.environ.get("CI"):
-            raise  # CI installs redis-server: its absence there is a failure, not a skip
-        pytest.skip(str(exc))
+    server = started(RedisServer)
     yield server.url
     server.stop()
 
@@ -220,12 +226,7 @@ def redis_cluster_url():
     """A real three-node Redis Cluster on 127.0.0.1, for the whole session (any node's URL)."""
     from redis_server import RedisCluster
 
-    try:
-        cluster = RedisCluster()
-    except RuntimeError as exc:
-        if os.environ.get("CI"):
-            raise
-        pytest.skip(str(exc))
+    cluster = started(RedisCluster)
     yield cluster.url
     cluster.stop()
 
