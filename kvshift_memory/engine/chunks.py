@@ -1,11 +1,13 @@
 """A conversation's K/V in a store, so that it outlives the process: chunks.
 
-After a call, the prompt's and the answer's K/V are cut into chunks of ``chunk_tokens`` tokens and
-the full ones are written to the caller's store, in the background (never on the answer's path).
+After a call, the prompt's and the answer's K/V are cut into chunks of ``chunk_tokens`` tokens
+and written to the caller's store in the background (never on the answer's path): the full ones,
+and the *tail* after the last of them.
 A chunk's key is a hash chain over the model's fingerprint, the namespace (the tenant), the codec
 and every token up to the chunk's end: a chunk serves only behind the very same tokens, for the same
 model and tenant. When the in-process prefix cache misses (a new process, another worker), the
-engine reads the longest run of stored chunks the prompt starts with and prefills only the rest.
+engine reads the longest run of stored chunks the prompt starts with, then the tail stored after
+them, and prefills only the rest.
 
 A blob read back is untrusted: it is decoded by the fragment codec (never unpickled) and must carry
 its own key, tenant and model, the chunk's tokens and position; one that does not is refused and
