@@ -184,6 +184,7 @@ def test_resume_off_keeps_the_session_in_the_process(engines, folder, embedder):
 @pytest.mark.parametrize("session", ["", " trip", "a\x00b", "x" * 300, None, 5])
 def test_malformed_session_ids_are_refused_by_the_store(folder, embedder, session):
     from kvshift_memory import InvalidInputError
+    from kvshift_memory.store.memory_store import MAX_SESSION_BYTES
 
     with _store(folder, embedder) as store:
         with pytest.raises(InvalidInputError):
@@ -193,5 +194,5 @@ def test_malformed_session_ids_are_refused_by_the_store(folder, embedder, sessio
         with pytest.raises(InvalidInputError):
             store.save_session("trip", "not bytes", tenant="alice", expected=None)  # type: ignore[arg-type]
         with pytest.raises(InvalidInputError):
-            store.save_session("trip", b"x" * (16 * 1_000_000 + 1), tenant="alice", expected=None)
+            store.save_session("trip", b"x" * (MAX_SESSION_BYTES + 1), tenant="alice", expected=None)
         assert store.load_session("trip", tenant="alice") is None

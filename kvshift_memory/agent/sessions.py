@@ -98,10 +98,13 @@ def _turn(item: Any, store: Store, user_id: str) -> Turn | None:
         raise ValueError("tokens is a count")
     archived = None
     if item["archived"] is not None:
-        archived = _live(store, item["archived"], user_id)
-        if archived is None:
-            if store.get(_reference(item["archived"])[0], tenant=user_id) is None:
-                return None  # the memory this turn stated was deleted: the turn leaves the window
+        memory_id, version = _reference(item["archived"])
+        current = store.get(memory_id, tenant=user_id)  # a store that fails raises: the saved window stays
+        if current is None:
+            return None  # the memory this turn stated was deleted: the turn leaves the window
+        if current.version == version:
+            archived = current
+        else:
             decision = "archive" if decision == "defer" else decision  # superseded: archived once already
     recalled = tuple(record for ref in item["recalled"] if (record := _live(store, ref, user_id)) is not None)
     return Turn(
@@ -132,5 +135,5 @@ def _reference(ref: Any) -> tuple[str, int]:
 def _live(store: Store, ref: Any, user_id: str) -> Any:
     """The memory ``ref`` names if it is still live at that version, else ``None``."""
     memory_id, version = _reference(ref)
-    record = store.get(memory_id, tenant=user_id)  # a store that fails raises: the saved window stays as it is
+    record = store.get(memory_id, tenant=user_id)
     return record if record is not None and record.version == version else None

@@ -36,6 +36,7 @@ from ..kv.codec import CodecSpec, decode_fragment, encode_fragment
 from ..kv.fragment import Fragment
 from ..protocols import ChunkStore
 from .costs import CostModel
+from .prefix_cache import whole_spans
 from .prompt import PromptLayout, common_prefix
 
 __all__ = ["ChunkWriter", "StoredChunks"]
@@ -133,14 +134,12 @@ class StoredChunks:
     def identity(self, store: ChunkStore, namespace: str) -> _Identity:
         return _Identity(self.fingerprint, namespace, CodecSpec(store.codec, store.group_size))
 
-    def restore(
-        self, store: ChunkStore, cache: ShiftCache, layout: PromptLayout, start: int, blend: bool, end_at: Callable
-    ) -> Restored:
+    def restore(self, store: ChunkStore, cache: ShiftCache, layout: PromptLayout, start: int, blend: bool) -> Restored:
         """Read the stored chunks that continue slots ``[0, start)`` of ``layout``'s prompt into ``cache``.
 
         Full chunks are read in order while each is stored, checks out and is cheaper to read than
         to compute, then the tail stored after the last of them; blended K/V only when ``blend``
-        and past the prompt's anchor. ``end_at`` moves an end back to a memory's start (a memory is
+        and past the prompt's anchor. An end inside a memory moves back to its start (a memory is
         placed whole); the last prompt token is always left to run, for its logits.
 
         :returns: where the restored K/V ends (``start`` when nothing was), and until where it is exact.
@@ -168,7 +167,7 @@ class StoredChunks:
                 break
             index += 1
         reached = loaded[-1].base_position + loaded[-1].n_tokens if loaded else start
-        end = end_at(layout, min(reached, n - 1))
+        end = whole_spans(layout, min(reached, n - 1))
         if end <= start:
             return Restored(start, n, rejected)
         with torch.inference_mode():
@@ -243,9 +242,8 @@ class StoredChunks:
             logger.warning("refusing a stored K/V chunk: %s", exc)
             return None, 1
         self.costs.observe_fetch(fragment.n_tokens, time.perf_counter() - started)
-        prompt = tuple(ids[index * size : index * size + fragment.n_tokens].tolist())
-        shared = common_prefix(torch.tensor(fragment.token_ids), torch.tensor(prompt)) if tail else fragment.n_tokens
-        if not tail and fragment.token_ids != prompt:
+        shared = common_prefix(torch.tensor(fragment.token_ids), ids[index * size :])
+        if not tail and shared != size:
             logger.warning("refusing a stored K/V chunk: its tokens are not the prompt's")
             return None, 1
         if shared == 0:

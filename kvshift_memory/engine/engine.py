@@ -37,7 +37,7 @@ from .grammar import Grammar, GrammarMatcher, grammar_tokenizer
 from .loading import load_model, resolve_device, resolve_dtype
 from .packing import pack_linear_layers, sharing
 from .planning import Planner, PreparedPrompt, PromptPlan
-from .prefix_cache import PrefixCache, whole_spans
+from .prefix_cache import PrefixCache
 from .prompt import FragmentSpan, PromptLayout, TokenMemo
 from .results import GenerationResult, ReuseStats, ScoreResult
 from .settings import EngineSettings
@@ -503,7 +503,7 @@ class KVShiftEngine:
             (0, n, 0) if mode == "none" else self.prefix_cache.reuse(cache, layout, mode, self.rotate)
         )
         if plan.kv_store is not None and mode != "none" and shifted == 0 and reused < n - 1:
-            restored = self.chunks.restore(plan.kv_store, cache, layout, reused, mode == "blend", whole_spans)
+            restored = self.chunks.restore(plan.kv_store, cache, layout, reused, mode == "blend")
             stats.restored_tokens = restored.end - reused
             stats.chunks_rejected = restored.rejected
             exact_until = min(exact_until, restored.exact_until)

@@ -63,6 +63,8 @@ logger = logging.getLogger("kvshift_memory.store")
 MAX_SEARCH_K = 1000
 # how often the store reads its tier's clock again (between reads it counts this process's monotonic time)
 _CLOCK_REFRESH_S = 5.0
+#: the largest session state :meth:`MemoryStore.save_session` keeps
+MAX_SESSION_BYTES = 16 << 20
 # chunks of a memory:// store sit in this process's RAM beside the engine's own prefix cache
 _RAM_CHUNK_BYTES = 256 << 20
 # fresh ids an add tries when gc fenced its write as abandoned (a writer stalled past the grace)
@@ -580,7 +582,7 @@ class MemoryStore:
         :raises StoreError: the tier failed.
         """
         key = self._session_key(session_id, tenant)
-        if not isinstance(state, (bytes, bytearray)) or len(state) > 16 * inputs.MAX_TEXT_CHARS:
+        if not isinstance(state, (bytes, bytearray)) or len(state) > MAX_SESSION_BYTES:
             raise InvalidInputError("a session state is bytes, at most 16 MiB")
         return self.tier.compare_and_set(key, expected, bytes(state))
 
