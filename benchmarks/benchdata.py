@@ -118,25 +118,45 @@ def build_instances(count: int, count_tokens, seed: int = 0) -> list[Instance]:
     return instances
 
 
+def _conversation_chunks(instance: Instance, count_tokens, seed: int) -> list[str]:
+    """The fragments ``instance``'s conversation was cut into, in conversation order."""
+    conversation = {
+        c["sample_id"]: c["conversation"] for c in json.loads((locomo_dir() / "locomo10.json").read_text())
+    }[instance.sample_id]
+    return [text for text, _ in _chunks(conversation, count_tokens, random.Random(f"{seed}:{instance.sample_id}"))]
+
+
+def _leading_within(texts: list[str], count_tokens, budget: int) -> list[str]:
+    """The first of ``texts`` that fit in ``budget`` tokens together."""
+    kept: list[str] = []
+    size = 0
+    for text in texts:
+        size += count_tokens(text)
+        if size > budget:
+            break
+        kept.append(text)
+    return kept
+
+
 def conversation_context(instance: Instance, count_tokens, budget: int, seed: int = 0) -> str:
     """Text from ``instance``'s own conversation that is none of its memories: its fragments in
     conversation order (the earliest first), as many as fit in ``budget`` tokens.
 
     What an application would encode a user's memories after: that user's earlier history.
     """
-    conversation = {
-        c["sample_id"]: c["conversation"] for c in json.loads((locomo_dir() / "locomo10.json").read_text())
-    }[instance.sample_id]
-    texts, size = [], 0
-    for text, _ in _chunks(conversation, count_tokens, random.Random(f"{seed}:{instance.sample_id}")):
-        if text in instance.memories:
-            continue
-        tokens = count_tokens(text)
-        if size + tokens > budget:
-            break
-        texts.append(text)
-        size += tokens
-    return "\n\n".join(texts)
+    others = [text for text in _conversation_chunks(instance, count_tokens, seed) if text not in instance.memories]
+    return "\n\n".join(_leading_within(others, count_tokens, budget))
+
+
+def history_before(instance: Instance, memory: str, count_tokens, budget: int, seed: int = 0) -> str:
+    """What ``instance``'s conversation said before ``memory`` (one of its memories): the fragments
+    just before it, in conversation order, as many as fit in ``budget`` tokens (empty for the first).
+
+    The window a chat turn would have held when its user said ``memory``.
+    """
+    chunks = _conversation_chunks(instance, count_tokens, seed)
+    before = chunks[: chunks.index(memory)]
+    return "\n\n".join(_leading_within(before[::-1], count_tokens, budget)[::-1])
 
 
 def memorybank_instances(count: int, count_tokens, kind: str = "exchanges", seed: int = 0) -> list[Instance]:

@@ -22,10 +22,14 @@ own speakers' names instead of taking each memory's), ``no lead fragment`` (the 
 repaired like the others instead of read from its lead fragment) and ``own-conversation context``
 (LoCoMo only: fragments encoded after text from the instance's own conversation that is none of
 its memories, as much as the built-in context's length, given as ``encode_context``; the JSON
-counts the instances whose context holds the gold answer).
+counts the instances whose context holds the gold answer) and ``own turn K/V`` (LoCoMo only: each
+memory said as the user message of a turn whose window holds the conversation before it, as much
+as the built-in context's length, and its fragment cut from that turn's K/V, as write-back does;
+``--fragment-sources`` runs only these two and the default).
 
     python benchmarks/fidelity.py                      # 40 LoCoMo instances, ~40 min on 2 cores
     python benchmarks/fidelity.py --instances 240 --default-only --output benchmarks/results/fidelity_default_240.json
+    python benchmarks/fidelity.py --fragment-sources --output benchmarks/results/fidelity_fragment_sources.json
 
 (every published run's command: ``docs/benchmarks/fidelity.md``)
 
@@ -58,7 +62,14 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchdata import build_instances, conversation_context, locomo_dir, memorybank_instances, write_report  # noqa: E402
+from benchdata import (  # noqa: E402
+    build_instances,
+    conversation_context,
+    history_before,
+    locomo_dir,
+    memorybank_instances,
+    write_report,
+)
 
 from kvshift_memory import KVShiftEngine  # noqa: E402
 from kvshift_memory.shipped import DEFAULT_MODEL  # noqa: E402
@@ -133,6 +144,23 @@ def words_of(text: str) -> set[str]:
 
 
 OWN_CONTEXT = "own-conversation context"
+OWN_TURN = "own turn K/V"
+#: the assistant's side of the exchange that holds a memory's history in its turn's window
+HISTORY_REPLY = "Thank you for telling me."
+
+
+def said_in_turns(engine, instance, memories, budget: int, seed: int) -> None:
+    """The write-back flow of an agent that cuts fragments from the turn: each memory said as the
+    user message of its own turn, after the conversation before it (as much as ``budget``
+    tokens) in the window, and its fragment taken from that turn's K/V."""
+    engine.clear_cache()  # fragments come from this instance's turns only
+    for memory in memories:
+        history = history_before(instance, memory, engine.count_tokens, budget, seed)
+        window = [{"role": "user", "content": history}, {"role": "assistant", "content": HISTORY_REPLY}]
+        turn = (window if history else []) + [{"role": "user", "content": memory}]
+        engine.generate(turn, reuse="prefix", max_new_tokens=1)
+        engine.warm([memory], lead_fragments=False, from_turn=turn)
+    engine.clear_cache(fragments=False)  # the question reuses no stretch of a turn's prompt
 
 
 def run_dataset(
@@ -145,16 +173,22 @@ def run_dataset(
     max_new_tokens,
     seed,
     own_context=False,
+    own_turn=None,
     default_only=False,
     curve=False,
     core=False,
+    sources=False,
 ):
     default = f"blend@{default_ratio:g}"
     ablations = dict(ablations, **({OWN_CONTEXT: engine} if own_context else {}))
+    if own_turn is not None:
+        ablations[OWN_TURN] = own_turn
     if curve:
         conditions = [f"blend@{r:g}" for r in sorted(set(ratios))]
     elif default_only:
         conditions = [default]
+    elif sources:
+        conditions = [default] + [f"blend@default, {a}" for a in (OWN_CONTEXT, OWN_TURN) if a in ablations]
     elif core:
         conditions = ["reorder", "shift", default]
     else:
@@ -221,6 +255,8 @@ def run_dataset(
             else:
                 run_engine, run_memories, reuse, ratio = engine, memories, "blend", float(name.split("@")[1])
             run_engine.clear_cache(fragments=False)  # no prompt may be reused from another condition
+            if name == f"blend@default, {OWN_TURN}":
+                said_in_turns(run_engine, instance, run_memories, budget, seed)
             if reuse == "blend":
                 # The add-time flow: the fragments (the opening memory's lead fragment too) exist
                 # before the question, whatever earlier instances left in the pool.
@@ -440,6 +476,12 @@ def main() -> None:
         help="only full recompute and the default blend (implies --no-ablations): a larger paired sample per hour",
     )
     parser.add_argument(
+        "--fragment-sources",
+        action="store_true",
+        help="only full recompute and the default blend with fragments encoded after the encode context, "
+        "after the own conversation, or cut from the turn that said them (LoCoMo; implies --no-ablations)",
+    )
+    parser.add_argument(
         "--core",
         action="store_true",
         help="only full recompute, reorder, shift only and the default blend (implies --no-ablations)",
@@ -475,7 +517,7 @@ def main() -> None:
             print_paired(result["per_instance"], [int(b) for b in args.parts.split(",") if b], title)
             print_copy_drops(result["per_instance"], f"{name}, log-probability lost against full recompute (nats):")
         return
-    args.no_ablations = args.no_ablations or args.default_only or args.curve or args.core
+    args.no_ablations = args.no_ablations or args.default_only or args.curve or args.core or args.fragment_sources
     dataset_names = list(dict.fromkeys(args.datasets.split(",")))
     unknown = set(dataset_names) - set(DATASETS)
     if unknown:
@@ -494,6 +536,11 @@ def main() -> None:
         )
         if not args.no_ablations
     }
+    own_turn = (
+        KVShiftEngine(engine.model, engine.tokenizer, fingerprint=engine.fingerprint, **window)
+        if args.fragment_sources or not args.no_ablations
+        else None
+    )
     default_ratio = engine.settings.recompute_ratio
     started = time.time()
     datasets = {}
@@ -526,10 +573,12 @@ def main() -> None:
             generate,
             args.max_new_tokens,
             args.seed,
-            own_context,
-            args.default_only,
-            args.curve,
-            args.core,
+            own_context=own_context or (name == "locomo" and args.fragment_sources),
+            own_turn=own_turn if name == "locomo" else None,
+            default_only=args.default_only,
+            curve=args.curve,
+            core=args.core,
+            sources=args.fragment_sources,
         )
         report["datasets"][name] = {"instances": len(instances), "summary": summary, "per_instance": rows}
         print_table(f"{name} ({len(instances)} instances, seed {args.seed})", summary)

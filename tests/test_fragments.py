@@ -9,11 +9,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import MEMORIES, first_logits, partition_holds
+from conftest import MEMORIES, TINY_CONFIGS, first_logits, partition_holds, tiny_model
 from kvshift_memory import KVShiftEngine
 from kvshift_memory.engine.blend import reads_lead
 from kvshift_memory.engine.speakers import cast_speakers
 from kvshift_memory.exceptions import ContextOverflowError, InvalidInputError
+from kvshift_memory.kv.cache import ShiftCache
 
 
 def test_warm_encodes_once(tiny_engine):
@@ -236,3 +237,59 @@ def test_generation_does_not_mutate_cached_fragments(tiny_engine):
 
 
 # ---------------------------------------------------------------- fallback
+
+
+TURN = [
+    {"role": "user", "content": "I have news about the trip."},
+    {"role": "assistant", "content": "Tell me."},
+    {"role": "user", "content": MEMORIES[0]},
+]
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3_text", "qwen3"])
+def test_a_memory_said_in_a_turn_takes_its_fragment_from_the_turns_kv(tokenizer, family):
+    """Cut from the turn, the fragment is the K/V the turn computed for the message, and its
+    separator computed after it: exactly a full pass over the turn up to there."""
+    engine = KVShiftEngine(tiny_model(TINY_CONFIGS[family]()), tokenizer)
+    engine.generate(TURN, reuse="prefix", max_new_tokens=1)
+    assert engine.warm([MEMORIES[0]], lead_fragments=False, from_turn=TURN) == 1
+    (fragment,) = engine.fragments.values()
+    turn_ids = engine.plan(TURN, reuse="prefix").layout.token_ids
+    start, n = fragment.base_position, fragment.n_tokens
+    assert turn_ids.numel() - 10 < start + n < turn_ids.numel()  # the last message, not the encode context
+    ids = torch.cat([turn_ids[:start], torch.tensor(fragment.token_ids)])
+    cache = ShiftCache(engine.num_layers, ids.numel(), engine.device)
+    engine.prefill_exact(cache, ids, 0, ids.numel(), logits="none")
+    for (keys, values), cut_keys, cut_values in zip(
+        cache.view(start, start + n), fragment.keys, fragment.values, strict=True
+    ):
+        assert torch.allclose(keys, cut_keys, atol=1e-5) and torch.allclose(values, cut_values, atol=1e-5)
+    # placed elsewhere, it is rotated there and read like any fragment
+    result = engine.generate("q", [MEMORIES[1], MEMORIES[0]], reuse="blend", max_new_tokens=2)
+    assert result.stats.fragments_hit == 1 and result.stats.fragments_missed == 1
+
+
+def test_a_memory_the_turn_does_not_hold_or_no_longer_cached_is_encoded(tiny_engine):
+    def base_of_warmed(memory, namespace=None) -> int:
+        tiny_engine.clear_cache(prefixes=False)
+        assert tiny_engine.warm([memory], lead_fragments=False, from_turn=TURN, namespace=namespace) == 1
+        return next(iter(tiny_engine.fragments.values())).base_position
+
+    tiny_engine.clear_cache()
+    encoded_at = base_of_warmed(MEMORIES[1])  # another text: encoded after the encode context
+    layout = tiny_engine.plan("q", MEMORIES[1:2], reuse="blend").layout
+    assert encoded_at == layout.encoded_after(layout.fragments[0]).numel()
+    tiny_engine.generate(TURN, reuse="prefix", max_new_tokens=1, namespace="alice")
+    assert base_of_warmed(MEMORIES[1], "alice") == encoded_at
+    assert base_of_warmed(MEMORIES[0], "alice") < encoded_at  # the turn said it
+    assert base_of_warmed(MEMORIES[0], "bob") == encoded_at  # never from another namespace's turn
+    tiny_engine.clear_cache(fragments=False)  # the turn is gone from the cache
+    assert base_of_warmed(MEMORIES[0], "alice") == encoded_at
+
+
+@pytest.mark.parametrize("turn", ["", [{"role": "tool"}], [{"role": "user", "content": None}], 7])
+def test_a_malformed_turn_is_refused_and_nothing_is_warmed(tiny_engine, turn):
+    tiny_engine.clear_cache()
+    with pytest.raises(InvalidInputError):
+        tiny_engine.warm(MEMORIES[:1], from_turn=turn)
+    assert len(tiny_engine.fragments) == 0

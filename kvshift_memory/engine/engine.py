@@ -9,6 +9,7 @@ This module runs the model and holds them together.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import threading
 import time
@@ -38,7 +39,7 @@ from .loading import load_model, resolve_device, resolve_dtype
 from .packing import pack_linear_layers, sharing
 from .planning import Planner, PreparedPrompt, PromptPlan
 from .prefix_cache import PrefixCache
-from .prompt import FragmentSpan, PromptLayout, TokenMemo
+from .prompt import FragmentSpan, PromptLayout, TokenMemo, common_prefix
 from .results import GenerationResult, ReuseStats, ScoreResult
 from .settings import EngineSettings
 
@@ -382,6 +383,7 @@ class KVShiftEngine:
         lead_fragments: bool | None = None,
         encode_context: str | None = None,
         namespace: str | None = None,
+        from_turn: Sequence[dict[str, Any]] | None = None,
     ) -> int:
         """Encode the memories' fragments now, ahead of any question, and cache the shared prefix.
 
@@ -397,8 +399,16 @@ class KVShiftEngine:
             user messages (as the agent and the framework adapters place them), where it is never read.
         :param encode_context: as in :meth:`generate`; pass there the same.
         :param namespace: as in :meth:`generate`: what is warmed here serves only that namespace.
-        :returns: how many of the memories had a fragment encoded (those already cached are skipped).
-        :raises InvalidInputError: bad messages or memories.
+        :param from_turn: the messages of a call just made in ``namespace`` (a chat turn): a
+            memory whose text that prompt holds (the user's own message) takes its fragment from
+            the turn's cached K/V, computed in the conversation it was said in, instead of
+            being encoded after the encode context. It skips the encode context's prefill for a
+            namespace that has none cached yet, but the blend then strays further from full
+            recompute (``docs/benchmarks/fidelity.md``), so the agent does not use it. Memories
+            the turn does not hold, and a turn no longer cached, are encoded as without it.
+        :returns: how many of the memories had a fragment encoded or cut from the turn (those
+            already cached are skipped).
+        :raises InvalidInputError: bad messages, memories or turn.
         :raises ContextOverflowError: the system message, encode context and a memory exceed the
             context window.
         """
@@ -407,12 +417,16 @@ class KVShiftEngine:
         if lead_fragments is not None and not isinstance(lead_fragments, bool):
             raise InvalidInputError(f"lead_fragments must be True, False or None, not {lead_fragments!r}")
         plan = self._planner.plan(messages, memories, "blend", 0.0, 1, fragments_after, encode_context, namespace)
+        turn = None
+        if from_turn is not None:
+            turn = self._planner.plan(from_turn, None, "prefix", 0.0, 0, None, None, namespace).layout.token_ids
         no_room = self._planner.no_room_to_encode(plan.layout)
         if no_room is not None:
             raise ContextOverflowError(no_room)
         if plan.reuse != "blend" or not plan.layout.fragments:
             return 0
-        return self._warm(plan.layout, self.settings.lead_fragments if lead_fragments is None else lead_fragments)
+        lead = self.settings.lead_fragments if lead_fragments is None else lead_fragments
+        return self._warm(plan.layout, lead, turn)
 
     def clear_cache(self, *, prefixes: bool = True, fragments: bool = True) -> None:
         """Forget cached prompt prefixes and/or fragments (measurements start cold with this).
@@ -603,6 +617,51 @@ class KVShiftEngine:
                 )
         return [fragments[index] for index in range(len(spans))]
 
+    def _cut_or_encode(
+        self, turn: torch.Tensor, layout: PromptLayout, spans: list[FragmentSpan], lead: bool = False
+    ) -> list[Fragment]:
+        """Each span's fragment cut from the cached K/V of the prompt ``turn`` where it holds the
+        span's tokens; encoded (:meth:`encode_fragments`) where it does not, and always when ``lead``."""
+        cut = [None if lead else self._cut_from_turn(turn, layout, span) for span in spans]
+        missing = [index for index, fragment in enumerate(cut) if fragment is None]
+        encoded = iter(self.encode_fragments(layout, [spans[i] for i in missing], lead) if missing else ())
+        return [fragment if fragment is not None else next(encoded) for fragment in cut]
+
+    def _cut_from_turn(self, turn: torch.Tensor, layout: PromptLayout, span: FragmentSpan) -> Fragment | None:
+        """``span``'s fragment from the K/V of the last place the cached prompt ``turn`` holds its text.
+
+        A span ends with the separator that follows a memory in a prompt, which the message that
+        said the text lacks: the separator's K/V is computed after the text's, in the turn's
+        context. The keys stay rotated at the positions they had in the turn (``base_position``):
+        placing the fragment rotates them once, to where it lands.
+        """
+        entry, cached = self.prefix_cache.lookup(layout.namespace, turn)
+        said = common_prefix(
+            torch.tensor(span.token_ids), torch.tensor(self._tokens.encode(span.text, namespace=layout.namespace))
+        )
+        if entry is None or said == 0 or cached < said:
+            return None
+        windows = turn[:cached].unfold(0, said, 1)
+        found = (windows == torch.tensor(span.token_ids[:said], dtype=turn.dtype)).all(dim=1).nonzero()
+        if not found.numel():
+            return None
+        start, n = int(found[-1]), len(span.token_ids)
+        cache = ShiftCache(self.num_layers, start + n, self.device)
+        with torch.inference_mode():
+            for layer, (keys, values) in enumerate(entry.kv):
+                cache.write(layer, 0, keys[..., : start + said, :], values[..., : start + said, :])
+        if said < n:
+            tail = torch.tensor(span.token_ids[said:], device="cpu")
+            self.forward(cache, tail, ForwardStep.span(start + said, start + n), logits="none")
+        kv = cache.view(start, start + n)
+        return Fragment(
+            token_ids=span.token_ids,
+            keys=tuple(k.clone() for k, _ in kv),
+            values=tuple(v.clone() for _, v in kv),
+            base_position=start,
+            context_digest=layout.context_digest(span),
+        )
+
     @torch.inference_mode()
     def place(self, cache: ShiftCache, spans: list[FragmentSpan], fragments: list[Fragment]) -> None:
         """Copy the fragments into their spans, then rotate each run of adjacent spans at once."""
@@ -652,9 +711,10 @@ class KVShiftEngine:
             return None
         return self.forward(cache, ids[start:end], ForwardStep.span(start, end), logits=logits)
 
-    def _warm(self, layout: PromptLayout, lead_fragments: bool) -> int:
+    def _warm(self, layout: PromptLayout, lead_fragments: bool, turn: torch.Tensor | None = None) -> int:
         spans = list(layout.fragments)
-        _, origins = self.fragments.fetch(layout, spans, self.encode_fragments)
+        encode = self.encode_fragments if turn is None else functools.partial(self._cut_or_encode, turn)
+        _, origins = self.fragments.fetch(layout, spans, encode)
         encoded = [origin not in ("pool", "store") for origin in origins]
         leading = [
             index for index, span in enumerate(spans) if lead_fragments and lead_possible(self.settings, layout, span)
