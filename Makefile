@@ -33,9 +33,12 @@ lint: install
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
 
-# the suite runs after lint, so CI (.ci/run: `make test`) checks both, then what pip alone installs
+# the suite runs after lint, so CI (.ci/run: `make test`) checks both, then what pip alone installs.
+# Two workers of one thread each (a test file stays on one worker, so its module fixtures load once):
+# most of a test's time is one core's Python and small kernels, so two of them share two cores well.
+TEST_WORKERS ?= 2
 test: lint
-	$(PY) -m pytest
+	OMP_NUM_THREADS=1 $(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile
 	$(MAKE) fresh-install
 
 # a fresh venv with the CPU torch pin, `pip install .`, `kvshift models install`: the default model answers offline
