@@ -25,7 +25,7 @@ __all__ = [
     "check_text",
 ]
 
-REUSE_MODES = ("none", "prefix", "blend")
+REUSE_MODES = ("auto", "none", "prefix", "blend")
 ROLES = ("system", "user", "assistant")
 
 #: No single text is tokenised past this many characters: longer text cannot fit any context
@@ -179,8 +179,8 @@ def check_memories(memories: Any) -> list[str]:
     return texts
 
 
-def check_reuse(reuse: Any) -> Literal["none", "prefix", "blend"] | None:
-    """``None`` (let the engine choose) or one of :data:`REUSE_MODES`."""
+def check_reuse(reuse: Any) -> Literal["auto", "none", "prefix", "blend"] | None:
+    """``None`` (let the engine choose, as ``"auto"``) or one of :data:`REUSE_MODES`."""
     if reuse is not None and reuse not in REUSE_MODES:
         raise InvalidInputError(f"reuse must be one of {REUSE_MODES} or None, got {reuse!r}")
     return reuse

@@ -141,8 +141,8 @@ def first_logits(engine, messages, memories=None, reuse="none", ratio=None) -> t
 
 
 def partition_holds(stats) -> bool:
-    """Whether the prompt's tokens split exactly into reused, recomputed, encoded and prefilled."""
-    parts = stats.reused_tokens + stats.recomputed_tokens + stats.encoded_tokens + stats.prefilled_tokens
+    """Whether the prompt's tokens split exactly into reused, recomputed and prefilled."""
+    parts = stats.reused_tokens + stats.recomputed_tokens + stats.prefilled_tokens
     return parts == stats.prompt_tokens
 
 

@@ -145,6 +145,7 @@ def test_default_reuse_is_blend_with_memories_and_prefix_without(tiny_engine):
 def test_blend_recompute_budget_and_floor(tiny_engine):
     many = [f"Memory number {i}: " + "the quick brown fox jumps over the lazy dog. " * 6 for i in range(8)]
     tiny_engine.clear_cache()
+    tiny_engine.warm(many)  # a memory without a fragment would be computed whole, not repaired
     result = tiny_engine.generate(
         "Which memory mentions a fox?", many, reuse="blend", recompute_ratio=0.2, max_new_tokens=1
     )
@@ -154,6 +155,7 @@ def test_blend_recompute_budget_and_floor(tiny_engine):
     )  # the first is read from its lead fragment
     assert result.stats.recomputed_tokens == round(0.2 * shifted_tokens)
     tiny_engine.clear_cache(fragments=False)
+    tiny_engine.warm(MEMORIES[:2])
     small = tiny_engine.generate("Which one?", MEMORIES[:2], reuse="blend", recompute_ratio=0.01, max_new_tokens=1)
     # below the floor every shifted token is recomputed: repairing would cost more than it saves
     layout = tiny_engine.plan("Which one?", MEMORIES[:2], reuse="blend", recompute_ratio=0.01).layout
@@ -163,6 +165,7 @@ def test_blend_recompute_budget_and_floor(tiny_engine):
 def test_prepared_blend_says_which_slots_it_recomputed(tiny_engine):
     many = [f"Memory number {i}: " + "the quick brown fox jumps over the lazy dog. " * 6 for i in range(8)]
     tiny_engine.clear_cache()
+    tiny_engine.warm(many)
     plan = tiny_engine.plan("Which memory mentions a fox?", many, reuse="blend", recompute_ratio=0.2)
     layout = plan.layout
     prepared = tiny_engine.prefill(plan)
@@ -364,8 +367,8 @@ def test_a_memory_in_a_user_message_shares_the_system_placements_fragment(tiny_e
     tiny_engine.warm(MEMORIES[:2])
     messages = [{"role": "user", "content": "What about the budget?", "memories": MEMORIES[:2]}]
     result = tiny_engine.generate(
-        messages, max_new_tokens=3, recompute_ratio=0.0
-    )  # shift only: placed, not recomputed whole
+        messages, max_new_tokens=3, reuse="blend", recompute_ratio=0.0
+    )  # shift only: placed, not recomputed whole (auto would recompute memories this short)
     stats = result.stats
     assert stats.reuse == "blend" and stats.fragments_hit == 2 and stats.fragments_missed == 0
     assert partition_holds(stats)
@@ -473,7 +476,9 @@ def test_fragments_and_prefixes_serve_only_their_namespace(tiny_engine, tmp_path
     assert (other.fragments_hit, other.reused_tokens) == (0, 0)  # bob's first call reuses nothing of alice's
     own = tiny_engine.generate(question, [record.text], reuse="blend", max_new_tokens=1, namespace="alice").stats
     assert own.fragments_hit == 1 and own.reused_tokens > 0
-    assert tiny_engine.warm([record.text], namespace="bob") == 1  # encoded again for bob, not served from alice's pool
+    assert other.fragments_missed == 1  # computed with bob's question, then encoded for bob after his answer
+    assert tiny_engine.warm([record.text], namespace="bob") == 0
+    assert tiny_engine.warm([record.text], namespace="carol") == 1  # encoded again, not served from another's pool
     assert tiny_engine.warm([record.text], namespace="alice") == 0
     for bad in ("", " alice", 3, "a\n"):
         with pytest.raises(InvalidInputError):

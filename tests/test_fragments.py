@@ -72,11 +72,13 @@ def test_a_lead_fragment_is_not_encoded_at_question_time_when_the_ordinary_one_i
     stats = tiny_engine.generate("q", MEMORIES, reuse="blend", recompute_ratio=0.0, max_new_tokens=1).stats
     assert stats.fragments_hit == len(MEMORIES) and stats.fragments_missed == 0 and stats.encoded_tokens == 0
     assert _span_error(tiny_engine, MEMORIES, 0) > 1e-3  # shifted, as the others
-    # cold, the memory opening the block is encoded as it reads there (its lead fragment), the others as usual
+    # cold, every memory is computed with the question; after the answer the ordinary fragments
+    # are encoded, and the lead fragment of the memory opening the block, which is read from then on
     tiny_engine.clear_cache()
     cold = tiny_engine.generate("q", MEMORIES, reuse="blend", recompute_ratio=0.0, max_new_tokens=1).stats
     assert cold.fragments_missed == len(MEMORIES) and partition_holds(cold)
-    assert len(tiny_engine.fragments) == len(MEMORIES)
+    assert cold.encoded_tokens == sum(tiny_engine.count_tokens(f"{memory}\n") for memory in MEMORIES)
+    assert len(tiny_engine.fragments) == len(MEMORIES) + 1
     assert _span_error(tiny_engine, MEMORIES, 0) < 1e-5
 
 
@@ -98,11 +100,11 @@ def test_fragments_encoded_after_a_fixed_system_message_serve_any_system_message
     assert tiny_engine.warm(MEMORIES, fragments_after=fixed) == len(MEMORIES)
     for documents in ("Document: Lisbon has trams.", "Document: Porto has bridges."):  # a system message that changes
         messages = [{"role": "system", "content": documents}, {"role": "user", "content": "q"}]
-        without = tiny_engine.generate(messages, MEMORIES, max_new_tokens=1, recompute_ratio=0.0)
-        assert without.stats.fragments_hit == 0  # by default fragments are encoded after this prompt's own
+        anywhere = tiny_engine.generate(messages, MEMORIES, reuse="blend", max_new_tokens=1, recompute_ratio=0.0)
+        assert anywhere.stats.memory_reuse == ["shifted"] * len(MEMORIES)  # found after another system message
         tiny_engine.clear_cache(fragments=False)
         fixed_stats = tiny_engine.generate(
-            messages, MEMORIES, max_new_tokens=1, fragments_after=fixed, recompute_ratio=0.0
+            messages, MEMORIES, reuse="blend", max_new_tokens=1, fragments_after=fixed, recompute_ratio=0.0
         ).stats
         assert fixed_stats.fragments_hit == len(MEMORIES) and fixed_stats.fragments_missed == 0
     with pytest.raises(InvalidInputError):
@@ -113,10 +115,11 @@ def test_encode_context_per_call_keys_the_fragments(tiny_engine):
     tiny_engine.clear_cache()
     own = "Alice: I booked the flights to Lisbon.\nBob: Great, and the hotel?"
     assert tiny_engine.warm(MEMORIES, "q", encode_context=own) == len(MEMORIES)
-    hit = tiny_engine.generate("q", MEMORIES, max_new_tokens=1, encode_context=own).stats
+    hit = tiny_engine.generate("q", MEMORIES, reuse="blend", max_new_tokens=1, encode_context=own).stats
     assert hit.fragments_hit == len(MEMORIES) and hit.encoded_tokens == 0
     tiny_engine.clear_cache(fragments=False)
-    default = tiny_engine.generate("q", MEMORIES, max_new_tokens=1).stats  # settings.encode_context: not warmed
+    # settings.encode_context: not warmed
+    default = tiny_engine.generate("q", MEMORIES, reuse="blend", max_new_tokens=1).stats
     assert default.fragments_missed == len(MEMORIES) - 1 and default.fragments_hit == 1  # the lead one is shared
     shifted = {}
     for name, context in (("own", own), ("default", None)):
@@ -155,7 +158,7 @@ def test_a_dialogue_is_encoded_after_the_context_recast_with_its_own_speakers(ti
     digests = [fragment.context_digest for fragment in fragments]
     assert digests[0] == digests[1]  # the same two people, whoever speaks first: one context
     assert len(set(digests)) == 3  # John and Tim, Anna and Ben, no speakers
-    hit = tiny_engine.generate("q", DIALOGUES, max_new_tokens=1).stats
+    hit = tiny_engine.generate("q", DIALOGUES, reuse="blend", max_new_tokens=1).stats
     assert hit.fragments_hit == len(DIALOGUES) and hit.encoded_tokens == 0
 
     # each fragment is exactly the one encoded after the recast context given as the context
@@ -265,8 +268,8 @@ def test_a_memory_said_in_a_turn_takes_its_fragment_from_the_turns_kv(tokenizer,
     ):
         assert torch.allclose(keys, cut_keys, atol=1e-5) and torch.allclose(values, cut_values, atol=1e-5)
     # placed elsewhere, it is rotated there and read like any fragment
-    result = engine.generate("q", [MEMORIES[1], MEMORIES[0]], reuse="blend", max_new_tokens=2)
-    assert result.stats.fragments_hit == 1 and result.stats.fragments_missed == 1
+    result = engine.generate("q", [MEMORIES[1], MEMORIES[0]], reuse="blend", recompute_ratio=0.0, max_new_tokens=2)
+    assert result.stats.memory_reuse == ["missed", "shifted"]
 
 
 def test_a_memory_the_turn_does_not_hold_or_no_longer_cached_is_encoded(tiny_engine):
@@ -293,3 +296,82 @@ def test_a_malformed_turn_is_refused_and_nothing_is_warmed(tiny_engine, turn):
     with pytest.raises(InvalidInputError):
         tiny_engine.warm(MEMORIES[:1], from_turn=turn)
     assert len(tiny_engine.fragments) == 0
+
+
+LONG_MEMORIES = [
+    "Trip notes. " + "Marta books the hotel near the river and keeps every receipt for the shared folder. " * 5,
+    "Work notes. " + "The quarterly report is due on Friday and Tom reviews the budget tables first. " * 5,
+]
+SHORT_MEMORY = "Tea, no sugar."
+OTHER_SYSTEM = [{"role": "system", "content": "Answer in one word."}, {"role": "user", "content": "q"}]
+
+
+def test_a_fragment_warmed_without_a_system_message_is_read_under_another_from_the_store(tmp_path, embedder, tokenizer):
+    """What an agent stores (no system message known) serves a later prompt under any system
+    message, also in a new process: the fragment is read from the store, shifted and repaired."""
+    from kvshift_memory import MemoryStore
+
+    model = tiny_model(TINY_CONFIGS["llama"]())
+    with MemoryStore(tmp_path / "s", embedder=embedder) as store:
+        records = [store.add(text, tenant="alice") for text in LONG_MEMORIES]
+        KVShiftEngine(model, tokenizer).warm(records, namespace="alice", lead_fragments=False)
+        later = KVShiftEngine(model, tokenizer)  # another process: nothing but the store holds the fragments
+        stats = later.generate(OTHER_SYSTEM, records, max_new_tokens=1, namespace="alice").stats
+    assert stats.memory_reuse == ["shifted", "shifted"] and stats.fragments_loaded == 2
+    assert stats.encoded_tokens == 0 and partition_holds(stats)
+
+
+def test_a_fragment_warmed_under_one_system_message_is_read_under_another_in_process(tiny_engine):
+    tiny_engine.clear_cache()
+    tiny_engine.warm(LONG_MEMORIES, [{"role": "system", "content": "You plan trips."}], lead_fragments=False)
+    stats = tiny_engine.generate(OTHER_SYSTEM, LONG_MEMORIES, max_new_tokens=1).stats
+    assert stats.memory_reuse == ["shifted", "shifted"] and stats.fragments_hit == 2
+    assert stats.encoded_tokens == 0
+
+
+def test_auto_shifts_a_long_memory_and_recomputes_a_short_one(tiny_engine):
+    tiny_engine.clear_cache()
+    memories = [SHORT_MEMORY, *LONG_MEMORIES]
+    tiny_engine.warm(memories, lead_fragments=False)
+    auto = tiny_engine.generate(OTHER_SYSTEM, memories, reuse="auto", max_new_tokens=1).stats
+    assert auto.requested_reuse == "auto" and auto.reuse == "blend"
+    assert auto.memory_reuse == ["recomputed", "shifted", "shifted"]
+    assert (auto.fragments_hit, auto.fragments_recomputed) == (2, 1)
+    tiny_engine.clear_cache(fragments=False)  # not the whole prompt from the prefix cache
+    assert tiny_engine.generate(OTHER_SYSTEM, memories, max_new_tokens=1).stats.memory_reuse == auto.memory_reuse
+    tiny_engine.clear_cache(fragments=False)
+    blend = tiny_engine.generate(OTHER_SYSTEM, memories, reuse="blend", recompute_ratio=0.0, max_new_tokens=1).stats
+    assert blend.memory_reuse == ["shifted", "shifted", "shifted"]  # asked for, every fragment is shifted
+    # only short ones: nothing pays for shifting, so one exact pass
+    tiny_engine.clear_cache(fragments=False)
+    plan = tiny_engine.plan(OTHER_SYSTEM, [SHORT_MEMORY, MEMORIES[0]])
+    short = tiny_engine.prefill(plan)
+    assert short.stats.memory_reuse == ["recomputed", "recomputed"]
+    assert (short.logits - first_logits(tiny_engine, OTHER_SYSTEM, [SHORT_MEMORY, MEMORIES[0]])).abs().max() < 1e-4
+
+
+def test_a_cold_miss_is_computed_with_the_question_and_encoded_after_the_answer(tiny_engine):
+    tiny_engine.clear_cache()
+    reference = first_logits(tiny_engine, OTHER_SYSTEM, LONG_MEMORIES)
+    tiny_engine.clear_cache()
+    plan = tiny_engine.plan(OTHER_SYSTEM, LONG_MEMORIES)
+    cold = tiny_engine.prefill(plan)
+    assert cold.stats.memory_reuse == ["missed", "missed"] and cold.stats.encoded_tokens == 0
+    assert len(tiny_engine.fragments) == 0  # nothing encoded at question time: the miss is full recompute
+    assert (cold.logits - reference).abs().max() < 1e-4
+    answered = tiny_engine.generate(OTHER_SYSTEM, LONG_MEMORIES, max_new_tokens=2).stats
+    assert answered.fragments_missed == 2 and answered.encoded_tokens > 0  # after the answer, for the next call
+    tiny_engine.clear_cache(fragments=False)
+    again = tiny_engine.generate(OTHER_SYSTEM, LONG_MEMORIES, max_new_tokens=1).stats
+    # the memory opening the block got its lead fragment too: it follows this very system message
+    assert again.memory_reuse == ["lead", "shifted"] and again.encoded_tokens == 0
+
+
+def test_memory_reuse_names_what_each_memory_got_in_every_mode(tiny_engine):
+    tiny_engine.clear_cache()
+    none = tiny_engine.generate(OTHER_SYSTEM, LONG_MEMORIES, reuse="none", max_new_tokens=1).stats
+    assert none.memory_reuse == ["text", "text"]
+    tiny_engine.clear_cache()
+    tiny_engine.generate(OTHER_SYSTEM, LONG_MEMORIES, reuse="prefix", max_new_tokens=1)
+    again = tiny_engine.generate(OTHER_SYSTEM, LONG_MEMORIES, reuse="prefix", max_new_tokens=1).stats
+    assert again.memory_reuse == ["prefix", "prefix"]

@@ -14,8 +14,9 @@ One turn (:meth:`AgentMemory.chat`):
 4. *window shift*: when the window passes its budget, its oldest turns leave it; the engine
    finds the rest of the window in its cache behind the cut and re-encodes its positions (RoPE
    shift) instead of recomputing it, the system prompt staying as attention sink;
-5. *write-back*: every user message that carries information is archived as a memory (with
-   ``reuse="blend"``, its fragment encoded now when it is important, else on first recall); a content-free one
+5. *write-back*: every user message that carries information is archived as a memory (its
+   fragment encoded now when it is important and long enough to be shifted in, else after the
+   answer that first recalls it); a content-free one
    ("ok thanks") stays in the window only; one the rule is unsure of waits in the window and is
    archived when it leaves it (or when the session is closed). "Remember …" always archives,
    "forget …" deletes the closest memory (:meth:`AgentMemory.forget`).
@@ -412,6 +413,15 @@ class AgentMemory:
             return []
         return [{"role": "system", "content": self.settings.system_prompt}]
 
+    def _shifts(self, record: Any) -> bool:
+        """Whether a recall would shift ``record``'s fragment in (so it is worth encoding now):
+        always under ``"blend"``; under ``"auto"`` when it is long enough for shifting to pay."""
+        if self.settings.reuse == "blend":
+            return True
+        return self.settings.reuse == "auto" and (
+            self.engine.count_tokens(record.text, namespace=self.user_id) >= self.engine.settings.min_recompute_tokens
+        )
+
     def _warm(self, records: Sequence[Any]) -> None:
         # recalled memories go into user messages, never where a lead fragment is read
         self.engine.warm(list(records), self._system_messages() or None, lead_fragments=False, namespace=self.user_id)
@@ -447,7 +457,7 @@ class AgentMemory:
             )
             return importance, "correction_ambiguous", record
         if correction is not None:
-            if self.settings.reuse == "blend":
+            if self._shifts(correction):
                 self._warm([correction])
             return self.writeback.importance(text, self._previous), "archive", correction
         if not self.settings.write_back:
@@ -462,8 +472,8 @@ class AgentMemory:
             window=window,
             requests=window,  # only a chat turn (the one with a window) is the user's own request
         )
-        # fragments are read only by the blend; a less important memory's is encoded when first recalled
-        if archived is not None and self.settings.reuse == "blend" and importance >= self.writeback.eager_threshold:
+        # a less important memory's fragment is encoded after the answer that first recalls it
+        if archived is not None and importance >= self.writeback.eager_threshold and self._shifts(archived):
             self._warm([archived])
         return importance, decision, archived
 

@@ -23,12 +23,13 @@ class AgentSettings:
     :param window_keep: share of the budget the window is cut back to when it passes it (several
         turns leave at once, so the window shifts rarely).
     :param max_new_tokens: default reply length bound.
-    :param reuse: ``"prefix"`` (default: exact reuse of the system prompt and the session's earlier
-        turns, recalled memories recomputed with the question, so answers are full recompute's),
-        ``"blend"`` (recalled memories' stored fragments shifted into place, a share of their tokens
-        recomputed: faster on long memories, and it changes some answers) or ``"none"`` (the
-        baseline). Chosen by answer retention against ``"none"`` first, then time to first token
-        (docs/benchmarks/writeback.md).
+    :param reuse: ``"auto"`` (default: exact reuse of the system prompt and the session's earlier
+        turns; a recalled memory whose fragment is long enough for shifting to pay is shifted in
+        and repaired by the blend, a shorter one is recomputed with the question),
+        ``"prefix"`` (recalled memories always recomputed with the question, so answers are full
+        recompute's), ``"blend"`` (every recalled memory's fragment shifted in) or ``"none"``
+        (the baseline). Measured in ``docs/benchmarks/long_memory.md`` and
+        ``docs/benchmarks/writeback.md``.
     :param recompute_ratio: the blend's share of recalled fragment tokens recomputed (``None``: the
         engine's default; 0 is shift only, which loses copied names and numbers).
     :param correction_min_score: a correction supersedes a memory only when at least this similar
@@ -50,7 +51,7 @@ class AgentSettings:
     window_tokens: int = 2048
     window_keep: float = 0.6
     max_new_tokens: int = 96
-    reuse: str = "prefix"
+    reuse: str = "auto"
     recompute_ratio: float | None = None
     correction_min_score: float = 0.5
     busy_timeout_s: float = 300.0

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..kv.cache import ForwardStep, ShiftCache
+from ..kv.fragment import Fragment
 from .fragments import source_of
 from .planning import PreparedPrompt
 from .prompt import FragmentSpan, PromptLayout
@@ -44,53 +45,69 @@ def prefill_blend(
     reused: int,
     exact_until: int,
     new_spans: list[FragmentSpan],
+    auto: bool,
 ) -> PreparedPrompt:
     """Fill ``cache`` after its ``reused`` slots: exact up to the first of ``new_spans``, those
     memories placed from their fragments and repaired, then the question.
+
+    A memory with no cached fragment is computed in the pass that runs the question, as full
+    recompute would (its fragment is encoded after the answer: :meth:`KVShiftEngine.encode_missed`),
+    so a miss never costs an encoding at question time. With ``auto``, a memory too short for
+    shifting to pay is recomputed exactly too.
 
     :param new_spans: a run of adjacent memory spans, none of them inside the reused slots.
     :param stats: counts are added to it.
     """
     ids, n = layout.token_ids, layout.length
-    first = new_spans[0].start
+    first, tail = new_spans[0].start, layout.tail_start
     lead = new_spans[:1] if reads_lead(engine, layout, new_spans[0]) else []
-    if not lead and recomputes_everything(engine.settings, new_spans, ratio):
-        # memories this short are recomputed whole anyway: one exact pass, without fetching
-        # their fragments or ranking their tokens first (which made short prompts slower than
-        # full recompute); the answer is full recompute's
+    shifted_spans = new_spans[len(lead) :]
+    origins = {id(span): _planned_origin(engine, layout, span, auto) for span in shifted_spans}
+    to_shift = [span for span in shifted_spans if origins[id(span)] == "shifted"]
+    shifted_total = sum(span.end - span.start for span in to_shift)
+    if not lead and (
+        not to_shift
+        or recompute_count(engine.settings, shifted_total, ratio) >= shifted_total
+        or (auto and shifted_total < engine.settings.min_recompute_tokens + n - tail)
+    ):
+        # Nothing worth shifting: one exact pass, without fetching fragments or ranking their
+        # tokens first (which made short prompts slower than full recompute); the answer is
+        # full recompute's.
         logits = engine.prefill_exact(cache, ids, reused, n)
         recomputed = torch.zeros(n, dtype=torch.bool, device="cpu")
         for span in new_spans:
             recomputed[span.start : span.end] = True
-        stats.fragments_recomputed = len(new_spans)
+            if origins[id(span)] == "shifted":
+                origins[id(span)] = "recomputed"
+        _count(engine, layout, stats, new_spans, origins, recomputed)
         stats.recomputed_tokens = int(recomputed.sum())
         stats.prefilled_tokens = n - reused - stats.recomputed_tokens
-        return PreparedPrompt(cache, logits[-1], stats, exact_until, recomputed)
+        return PreparedPrompt(cache, logits[-1], stats, exact_until, recomputed, _unencoded(new_spans, origins))
     engine.prefill_exact(cache, ids, reused, first, logits="none")
-    shifted_spans = new_spans[len(lead) :]
-    # The cost model may find a short stored fragment cheaper to recompute than to fetch.
-    inline = [span for span in shifted_spans if _recompute_instead(engine, layout, span)]
-    fetched = [span for span in shifted_spans if span not in inline]
-    origins = dict.fromkeys(map(id, inline), "recomputed")
-    placed, fragments = [], []
-    for spans, is_lead in ((lead, True), (fetched, False)):
-        if spans:
-            found, found_origins = engine.fragments.fetch(layout, spans, engine.encode_fragments, lead=is_lead)
-            placed += spans
-            fragments += found
-            origins.update(zip(map(id, spans), found_origins, strict=True))
+    placed: list[FragmentSpan] = []
+    fragments: list[Fragment] = []
+    for spans, is_lead in ((lead, True), (to_shift, False)):
+        if not spans:
+            continue
+        found, found_origins = engine.fragments.find(layout, spans, lead=is_lead)
+        for span, fragment, origin in zip(spans, found, found_origins, strict=True):
+            origins[id(span)] = origin if fragment is None else ("lead" if is_lead else "shifted")
+            if fragment is not None:
+                placed.append(span)
+                fragments.append(fragment)
+                stats.fragments_loaded += origin == "store"
     if placed:
         engine.place(cache, placed, fragments)
+    shifted = [span for span in placed if origins[id(span)] == "shifted"]
+    inline = [span for span in new_spans if origins[id(span)] not in ("lead", "shifted")]
     for span in inline:  # its K/V is computed in the pass below; the selection pass must read no garbage
         for layer in range(engine.num_layers):
             keys, values = cache.buffer(layer)
             keys[..., span.start : span.end, :].zero_()
             values[..., span.start : span.end, :].zero_()
     exact_until = min(exact_until, first)  # not past a lead fragment: one from a store went through its codec
-    tail = layout.tail_start
-    candidates = [torch.arange(s.start, s.end, device="cpu") for s in fetched]
-    total = sum(s.end - s.start for s in shifted_spans)
-    count = min(recompute_count(engine.settings, total, ratio), sum(c.numel() for c in candidates))
+    candidate_total = sum(span.end - span.start for span in shifted)
+    count = min(recompute_count(engine.settings, candidate_total, ratio), candidate_total)
     forced = (
         torch.cat([torch.arange(s.start, s.end, device="cpu") for s in inline])
         if inline
@@ -111,7 +128,7 @@ def prefill_blend(
             anchor=layout.anchor_length,
         )
         engine.forward(cache, ids[tail:n], selection, logits="none")
-        chosen = choose_recompute(capture, [(s.start, s.end) for s in fetched], count)
+        chosen = choose_recompute(capture, [(s.start, s.end) for s in shifted], count)
         chosen = torch.cat([chosen, forced]).sort().values
     else:
         chosen = forced
@@ -121,7 +138,9 @@ def prefill_blend(
             queries,
             key_length=n,
             # recomputing every fragment token is a full recompute: no window, so it is exact
-            local_window=None if chosen.numel() == total else engine.settings.recompute_window,
+            local_window=None
+            if chosen.numel() == tail - first - sum(s.end - s.start for s in lead)
+            else engine.settings.recompute_window,
             local_before=tail,
             anchor=layout.anchor_length,
         )
@@ -130,22 +149,49 @@ def prefill_blend(
         logits = engine.prefill_exact(cache, ids, tail, n)
     recomputed = torch.zeros(n, dtype=torch.bool, device="cpu")
     recomputed[chosen] = True
-    for span in new_spans:
-        origin = origins[id(span)]
-        kept = span.end - span.start - int(recomputed[span.start : span.end].sum())
-        if origin == "recomputed":
-            stats.fragments_recomputed += 1
-        elif origin in ("pool", "store"):
-            stats.fragments_hit += 1
-            stats.fragments_loaded += origin == "store"
-            stats.reused_tokens += kept
-        else:
-            stats.fragments_missed += 1
-            stats.fragments_rejected += origin == "re-encoded"
-            stats.encoded_tokens += kept
+    _count(engine, layout, stats, new_spans, origins, recomputed)
     stats.recomputed_tokens = int(chosen.numel())
     stats.prefilled_tokens = (first - reused) + (n - tail)
-    return PreparedPrompt(cache, logits[-1], stats, exact_until, recomputed)
+    return PreparedPrompt(cache, logits[-1], stats, exact_until, recomputed, _unencoded(new_spans, origins))
+
+
+def _planned_origin(engine: KVShiftEngine, layout: PromptLayout, span: FragmentSpan, auto: bool) -> str:
+    """What a memory not read from its lead fragment will get, before anything is loaded:
+    ``"shifted"`` (a fragment is cached), ``"recomputed"`` (shifting would not pay) or ``"missed"``."""
+    if auto and span.end - span.start < engine.settings.min_recompute_tokens:
+        return "recomputed"  # the repair alone would recompute as many tokens: exact costs no more
+    if source_of(span) is not None and engine.costs.recompute_cheaper(len(span.token_ids)):
+        if engine.fragments.pooled(layout, span) is None:  # a pooled fragment costs only a copy
+            return "recomputed"
+    return "shifted" if engine.fragments.available(layout, span) else "missed"
+
+
+def _count(
+    engine: KVShiftEngine,
+    layout: PromptLayout,
+    stats: ReuseStats,
+    spans: list[FragmentSpan],
+    origins: dict[int, str],
+    recomputed: torch.Tensor,
+) -> None:
+    """Add what each of ``spans`` got to ``stats`` (per memory in ``stats.memory_reuse``)."""
+    index = {span.start: i for i, span in enumerate(layout.fragments)}
+    for span in spans:
+        origin = origins[id(span)]
+        stats.memory_reuse[index[span.start]] = origin
+        if origin in ("lead", "shifted"):
+            stats.fragments_hit += 1
+            stats.reused_tokens += span.end - span.start - int(recomputed[span.start : span.end].sum())
+        elif origin == "recomputed":
+            stats.fragments_recomputed += 1
+        else:
+            stats.fragments_missed += 1
+            stats.fragments_rejected += origin == "rejected"
+
+
+def _unencoded(spans: list[FragmentSpan], origins: dict[int, str]) -> list[FragmentSpan]:
+    """The memories that found no usable fragment (their fragments are encoded after the answer)."""
+    return [span for span in spans if origins[id(span)] in ("missed", "rejected")]
 
 
 def choose_recompute(capture: list[torch.Tensor], spans: list[tuple[int, int]], count: int) -> torch.Tensor:
@@ -173,11 +219,6 @@ def recompute_count(settings: EngineSettings, total: int, ratio: float) -> int:
     return min(total, max(round(ratio * total), settings.min_recompute_tokens))
 
 
-def recomputes_everything(settings: EngineSettings, spans: list[FragmentSpan], ratio: float) -> bool:
-    total = sum(span.end - span.start for span in spans)
-    return total > 0 and recompute_count(settings, total, ratio) >= total
-
-
 def lead_possible(settings: EngineSettings, layout: PromptLayout, span: FragmentSpan) -> bool:
     """Whether ``span``, opening the layout's memory block, can have a lead fragment.
 
@@ -194,15 +235,11 @@ def lead_possible(settings: EngineSettings, layout: PromptLayout, span: Fragment
 
 
 def reads_lead(engine: KVShiftEngine, layout: PromptLayout, span: FragmentSpan) -> bool:
-    """Whether ``span`` is read from its lead fragment rather than shifted.
-
-    It is when it opens the memory block right after the conditioning and its lead fragment is
-    cached, or when neither fragment is (it has to be encoded now: better as it reads here).
-    With only its ordinary fragment cached it is shifted: no encoding at question time.
-    """
+    """Whether ``span`` is read from its lead fragment rather than shifted: it opens the memory
+    block right after the conditioning and its lead fragment is cached."""
     if span.start != layout.conditioning.numel() or not lead_possible(engine.settings, layout, span):
         return False
-    return engine.fragments.available(layout, span, lead=True) or not engine.fragments.available(layout, span)
+    return engine.fragments.available(layout, span, lead=True)
 
 
 def last_adjacent_run(spans: list[FragmentSpan]) -> list[FragmentSpan]:
@@ -213,15 +250,3 @@ def last_adjacent_run(spans: list[FragmentSpan]) -> list[FragmentSpan]:
             break
         run.insert(0, span)
     return run
-
-
-def _recompute_instead(engine: KVShiftEngine, layout: PromptLayout, span: FragmentSpan) -> bool:
-    """Whether the cost model finds a stored memory cheaper to recompute than to fetch.
-
-    Only a memory with a store and whose fragment is not in this process's pool is a
-    candidate (a pooled fragment costs a copy; a text without a record has nowhere to be
-    fetched from).
-    """
-    if source_of(span) is None or not engine.costs.recompute_cheaper(len(span.token_ids)):
-        return False
-    return engine.fragments.pooled(layout, span) is None

@@ -175,7 +175,10 @@ def generate_steps(
         stats.generated_tokens = len(generated)
         stats.decode_tokens_per_s = (len(generated) - 1) / elapsed if len(generated) > 1 and elapsed > 0 else 0.0
         stats.total_s = time.perf_counter() - started
-        yield GenerationResult(text=text, token_ids=generated, stats=stats, finish_reason=finish)
+        result = GenerationResult(text=text, token_ids=generated, stats=stats, finish_reason=finish)
+        # the answer is out: the memories that missed get their fragments for the next call
+        stats.encoded_tokens = engine.encode_missed(layout, prepared.unencoded)
+        yield result
     finally:
         all_ids = torch.cat([layout.token_ids, torch.tensor(generated, dtype=torch.long, device="cpu")])
         # decoding after an exact prompt is exact too: the next turn may reuse the reply as well

@@ -267,8 +267,13 @@ class KVShiftEngine:
         :param memories: texts, or records with a ``text`` attribute; placed one per line after
             ``settings.memory_header``. Records from a :class:`MemoryStore` bring their stored
             fragment along (and a fragment encoded here is stored for them).
-        :param reuse: ``"none"``, ``"prefix"``, ``"blend"`` or ``None`` (blend with memories,
-            prefix without).
+        :param reuse: ``"auto"`` (or ``None``, the default): exact prefix reuse, and the memories'
+            fragments shifted in and repaired where that pays: a memory shorter than
+            ``settings.min_recompute_tokens``, or one whose fragment is not cached, is computed
+            with the question (a missed fragment is encoded after the answer, for the next call);
+            ``"blend"``: every cached fragment shifted in; ``"prefix"``: exact prefix reuse only;
+            ``"none"``: full recompute. A fragment is looked up after this prompt's system
+            message, then after the engine's own (where :meth:`warm` without messages put it).
         :param recompute_ratio: share of the shifted fragment tokens the blend recomputes
             (default ``settings.recompute_ratio``).
         :param temperature: 0 for greedy decoding, else sampling with ``top_p``/``top_k``/``seed``.
@@ -277,9 +282,9 @@ class KVShiftEngine:
         :param stop: strings that end the answer (not included in it).
         :param stream: return a :class:`GenerationStream` of text pieces instead of waiting.
         :param fragments_after: the system message memories' fragments are encoded after (and
-            looked up under); default: this prompt's own. A caller whose system message changes
-            every call (a chat engine that writes retrieved documents into it) passes a fixed one,
-            the same it gives :meth:`warm`, so fragments encoded once keep serving.
+            looked up under first); default: this prompt's own. A caller whose system message
+            changes every call (a chat engine that writes retrieved documents into it) may pass a
+            fixed one, the same it gives :meth:`warm`, so fragments encoded once match exactly.
         :param encode_context: the text the memories' fragments are encoded after (and looked up
             under), between the system message and the memory; default
             ``settings.encode_context``. Text about the same people as the memories works best (a
@@ -388,9 +393,11 @@ class KVShiftEngine:
         """Encode the memories' fragments now, ahead of any question, and cache the shared prefix.
 
         An agent calls this when it stores memories, so that a question later pays only for
-        itself. Fragments depend on the system message (they are encoded after it): pass the
-        ``messages`` whose system message will be used, or leave it out for the default one; or
-        the ``fragments_after`` that :meth:`generate` will be given.
+        itself. Fragments are encoded after a system message: leave ``messages`` out when the
+        system message of later questions is not known (the engine's own is used, and a fragment
+        encoded after it serves a prompt under any system message, shifted and repaired), or pass
+        the ``messages`` whose system message will be used (or the ``fragments_after`` that
+        :meth:`generate` will be given) for the closest match.
         Does nothing for models whose positions cannot be shifted.
 
         :param lead_fragments: also encode each memory's lead fragment (see
@@ -525,6 +532,7 @@ class KVShiftEngine:
         stats.reused_tokens = reused
         stats.shifted_tokens = shifted
         stats.fragments_hit = sum(1 for span in layout.fragments if span.end <= reused)
+        stats.memory_reuse = ["prefix" if span.end <= reused else "text" for span in layout.fragments]
         # Only the last run of adjacent memories is placed; earlier ones not yet cached (a
         # conversation whose earlier turns fell out of the prefix cache) are read as text.
         new_spans = (
@@ -534,7 +542,26 @@ class KVShiftEngine:
             logits = self.prefill_exact(cache, ids, reused, n)
             stats.prefilled_tokens = n - reused
             return PreparedPrompt(cache, logits[-1], stats, exact_until)
-        return prefill_blend(self, cache, layout, ratio, stats, reused, exact_until, new_spans)
+        auto = plan.requested_reuse == "auto"
+        return prefill_blend(self, cache, layout, ratio, stats, reused, exact_until, new_spans, auto)
+
+    def encode_missed(self, layout: PromptLayout, spans: list[FragmentSpan]) -> int:
+        """Encode the fragments of memories a prompt found none for (after its conditioning), so
+        the next call shifts them in: a generation does this after its answer.
+
+        :returns: the fragment tokens encoded.
+        """
+        if not spans:
+            return 0
+        _, origins = self.fragments.fetch(layout, spans, self.encode_fragments)
+        opening = [
+            span
+            for span in spans
+            if span.start == layout.conditioning.numel() and lead_possible(self.settings, layout, span)
+        ]
+        if opening:
+            self.fragments.fetch(layout, opening, self.encode_fragments, lead=True)
+        return sum(len(span.token_ids) for span, origin in zip(spans, origins, strict=True) if "encoded" in origin)
 
     # ------------------------------------------------------------------ forward passes
 

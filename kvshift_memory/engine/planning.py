@@ -10,7 +10,7 @@ placed) call the two steps themselves.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -19,7 +19,7 @@ from .. import inputs
 from ..exceptions import ContextOverflowError
 from ..kv.cache import ShiftCache
 from .families import PositionScheme
-from .prompt import PromptLayout, ScopedTokens, TokenMemo, build_layout
+from .prompt import FragmentSpan, PromptLayout, ScopedTokens, TokenMemo, build_layout
 from .results import ReuseMode, ReuseStats
 from .settings import EngineSettings
 from .speakers import cast_speakers
@@ -61,6 +61,9 @@ class PreparedPrompt:
     #: which slots the blend recomputed (all ``False`` for shift only; ``None`` when no memory was
     #: placed, as for ``reuse="none"``)
     recomputed: torch.Tensor | None = None
+    #: memories that found no usable fragment: computed with the question, their fragments
+    #: encoded after the answer (:meth:`KVShiftEngine.encode_missed`)
+    unencoded: list[FragmentSpan] = field(default_factory=list)
 
 
 class Planner:
@@ -77,6 +80,7 @@ class Planner:
         self._settings = settings
         self._max_positions = max_positions
         self._position_scheme = position_scheme
+        self._default: torch.Tensor | None = None
 
     def plan(
         self,
@@ -109,11 +113,9 @@ class Planner:
         layout = build_layout(tokens, checked, texts, settings.system_prompt, settings.memory_header)
         if fragments_after is not None:
             fixed = [{"role": "system", "content": inputs.check_text(fragments_after, "fragments_after")}]
-            question = [{"role": "user", "content": "?"}]  # only the system message matters here
-            conditioning = build_layout(
-                tokens, fixed + question, [], settings.system_prompt, settings.memory_header
-            ).conditioning
-            layout = replace(layout, conditioning=conditioning)
+            layout = replace(layout, conditioning=self._conditioning_after(tokens, fixed))
+        if layout.fragments:
+            layout = replace(layout, default_conditioning=self._default_conditioning())
         if encode_context is None:
             encode_context = settings.encode_context
         else:
@@ -128,7 +130,11 @@ class Planner:
             ),
         )
         self._check_fits(layout, extra_tokens)
-        mode: ReuseMode = requested or ("blend" if layout.fragments else "prefix")
+        mode: ReuseMode
+        if requested is None or requested == "auto":
+            mode = "blend" if layout.fragments else "prefix"
+        else:
+            mode = requested
         fallback = None
         if mode == "blend":
             fallback = self._position_scheme.reason
@@ -139,6 +145,18 @@ class Planner:
             if no_room is not None:
                 mode, fallback = "prefix", f"{no_room}: exact prefix reuse"
         return PromptPlan(layout, mode, requested or "auto", ratio, fallback, extra_tokens)
+
+    def _conditioning_after(self, tokens: ScopedTokens, system: list[dict[str, str]]) -> torch.Tensor:
+        """The conditioning of a prompt whose system message is ``system`` (empty: the engine's own)."""
+        question = [{"role": "user", "content": "?"}]  # only the system message matters here
+        settings = self._settings
+        return build_layout(tokens, system + question, [], settings.system_prompt, settings.memory_header).conditioning
+
+    def _default_conditioning(self) -> torch.Tensor:
+        """The conditioning of the engine's own system message (the engine's text, no tenant's)."""
+        if self._default is None:
+            self._default = self._conditioning_after(self._tokens.scoped(""), [])
+        return self._default
 
     def no_room_to_encode(self, layout: PromptLayout) -> str | None:
         """Why one of the layout's memories cannot be encoded after its conditioning and encode

@@ -35,7 +35,7 @@ import secrets
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 import torch
@@ -92,12 +92,17 @@ class PromptLayout:
         fragment is encoded after the conditioning alone.
     :param namespace: whose prompt this is (the tenant): the engine reuses K/V only from prompts
         and fragments of the same namespace.
+    :param default_conditioning: the conditioning of the engine's own system message, which
+        fragments warmed with no system message known are encoded after: a fragment not cached
+        after this prompt's conditioning is looked up after it (:meth:`under_default`), and
+        shifted and repaired like any other.
     """
 
     token_ids: torch.Tensor
     fragments: tuple[FragmentSpan, ...]
     conditioning: torch.Tensor
     namespace: str = ""
+    default_conditioning: torch.Tensor | None = None
     _digests: dict[tuple[int, ...], str] = field(default_factory=dict, init=False, compare=False, repr=False)
 
     @property
@@ -113,6 +118,14 @@ class PromptLayout:
     def tail_start(self) -> int:
         """First slot after the last memory."""
         return self.fragments[-1].end if self.fragments else self.length
+
+    def under_default(self) -> PromptLayout | None:
+        """This layout with fragments looked up after the default conditioning, or ``None`` when
+        its own conditioning is that one (or none is known)."""
+        default = self.default_conditioning
+        if default is None or torch.equal(default, self.conditioning):
+            return None
+        return replace(self, conditioning=default, default_conditioning=None)
 
     def encoded_after(self, span: FragmentSpan, lead: bool = False) -> torch.Tensor:
         """What ``span``'s fragment is encoded after: the conditioning, then its encode context unless ``lead``."""

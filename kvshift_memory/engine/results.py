@@ -18,7 +18,7 @@ class ReuseStats:
     """How one prompt was built, and what it cost.
 
     Token counts partition the prompt: ``prompt_tokens == reused_tokens + recomputed_tokens +
-    encoded_tokens + prefilled_tokens``.
+    prefilled_tokens``.
 
     :param reuse: the reuse that was applied (may be less than asked, see ``fallback_reason``).
     :param requested_reuse: what the caller asked for (``"auto"`` when left to the engine).
@@ -31,17 +31,26 @@ class ReuseStats:
         tenant's); their tokens were computed instead.
     :param shifted_tokens: of the reused, those taken from a cached prompt that had a stretch before
         them cut out (a working window whose oldest turns were evicted), RoPE-shifted into place.
-    :param recomputed_tokens: fragment tokens the blend recomputed in full context.
-    :param encoded_tokens: fragment tokens encoded during this call (fragments not cached yet).
+    :param recomputed_tokens: memory tokens computed with the question in the prompt's context:
+        the shifted fragments' tokens the blend repaired, and the memories it did not shift.
+    :param encoded_tokens: fragment tokens encoded *after* the answer, for later calls (the
+        memories that missed; not part of the prompt's partition).
     :param prefilled_tokens: the other prompt tokens computed during this call.
-    :param fragments_hit: memories whose fragment was already cached (in this process or in a store).
-    :param fragments_missed: memories encoded during this call.
+    :param fragments_hit: memories whose fragment was already cached (in this process or in a
+        store), after this prompt's system message or after the engine's own.
+    :param fragments_missed: memories with no usable fragment: computed with the question, their
+        fragments encoded after the answer.
     :param fragments_loaded: of the hits, those fetched from a memory store's tier.
-    :param fragments_rejected: stored fragments refused (corrupt, or not matching the memory) and
-        re-encoded from text instead.
-    :param fragments_recomputed: stored memories the cost model found cheaper to recompute with
-        the question than to fetch, or that the blend recomputes whole anyway (their tokens fewer
-        than ``min_recompute_tokens``); their tokens count as recomputed.
+    :param fragments_rejected: of the misses, stored fragments refused (corrupt, or not matching
+        the memory).
+    :param fragments_recomputed: memories with a fragment, or too short to need one, computed
+        with the question because shifting would not pay: fewer tokens than
+        ``min_recompute_tokens`` (``reuse="auto"``), a fetch the cost model finds dearer than
+        recomputing, or a repair that would recompute them whole anyway.
+    :param memory_reuse: per memory of the prompt, in order, what it got: ``"prefix"`` (inside
+        the reused prefix), ``"lead"`` (its lead fragment), ``"shifted"`` (its fragment, shifted
+        and repaired), ``"recomputed"``, ``"missed"``, ``"rejected"`` (computed with the question),
+        or ``"text"`` (read as text: not in the blend's run, or a mode without one).
     :param recompute_ratio: the share of fragment tokens the blend was asked to recompute.
     :param fallback_reason: why the requested reuse was not applied, when it was not.
     """
@@ -67,6 +76,7 @@ class ReuseStats:
     decode_tokens_per_s: float = 0.0
     total_s: float = 0.0
     fallback_reason: str | None = None
+    memory_reuse: list[str] = field(default_factory=list)
 
     def as_dict(self) -> dict:
         return asdict(self)
