@@ -6,11 +6,11 @@ test double or another implementation may too (the type checker says whether it 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Literal, Protocol, overload, runtime_checkable
 
 if TYPE_CHECKING:
-    from .engine import GenerationResult, GenerationStream
+    from .engine import EngineSettings, GenerationResult, GenerationStream
     from .store import MemoryRecord
 
 __all__ = ["ChunkStore", "Engine", "Store"]
@@ -18,6 +18,8 @@ __all__ = ["ChunkStore", "Engine", "Store"]
 
 class Engine(Protocol):
     """The engine calls :class:`~kvshift_memory.AgentMemory` makes (see :class:`~kvshift_memory.KVShiftEngine`)."""
+
+    settings: EngineSettings
 
     @overload
     def generate(
@@ -70,6 +72,17 @@ class Store(Protocol):
         session_id: str | None = None,
         importance_score: float = 0.5,
     ) -> MemoryRecord: ...
+
+    def add_document(
+        self,
+        text: str,
+        *,
+        tenant: str,
+        source: str | None = None,
+        session_id: str | None = None,
+        max_tokens: int = 200,
+        count_tokens: Callable[[str], int] | None = None,
+    ) -> list[MemoryRecord]: ...
 
     def get(self, memory_id: str, *, tenant: str) -> MemoryRecord | None: ...
 

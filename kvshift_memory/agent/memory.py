@@ -111,7 +111,8 @@ class AgentMemory:
     # ------------------------------------------------------------------ memories
 
     def add(self, text: str, *, importance_score: float = 0.5) -> Any:
-        """Store ``text`` as a memory of this user and session, and encode its fragment now.
+        """Store ``text`` as a memory of this user and session, and encode its fragment now when a
+        recall would shift it in (under ``"auto"``, a memory long enough for that to pay).
 
         :returns: the :class:`~kvshift_memory.MemoryRecord`.
         :raises InvalidInputError: empty, over-long or non-text input.
@@ -122,8 +123,32 @@ class AgentMemory:
         record = store_once(
             self.store, text, user_id=self.user_id, session_id=self.session_id, importance_score=importance_score
         )
-        self._warm([record])
+        if self._shifts(record):
+            self._warm([record])
         return record
+
+    def add_document(self, text: str, *, source: str | None = None, max_tokens: int = 200) -> list[Any]:
+        """Store a long text (a brief, notes, a past conversation) as memories of this user and
+        session, cut at ``max_tokens`` of the model's tokens (:meth:`MemoryStore.add_document`),
+        and encode the fragments of the parts a recall would shift in, once, now.
+
+        :param source: what to call the document (a file name, a URL).
+        :returns: the parts' :class:`~kvshift_memory.MemoryRecord` objects, in document order.
+        :raises InvalidInputError: empty, over-long or non-text input, a bad source or ``max_tokens``.
+        :raises StoreError: the store refused a write (no part is kept).
+        """
+        parts = self.store.add_document(
+            text,
+            tenant=self.user_id,
+            source=source,
+            session_id=self.session_id,
+            max_tokens=max_tokens,
+            count_tokens=lambda part: self.engine.count_tokens(part, namespace=self.user_id),
+        )
+        for part in parts:  # one at a time: a long document would not fit one prompt
+            if self._shifts(part):
+                self._warm([part])
+        return parts
 
     def correct(self, text: str, memory_id: str | None = None) -> tuple[Any, Any]:
         """Supersede a memory with ``text``: the given one, or the stored memory closest to ``text``.

@@ -12,6 +12,7 @@ holds a lock across processes (``docs/store.md``), and nothing imports torch: th
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -30,12 +31,14 @@ from ..embedding import MiniLMEmbedder, as_embedder
 from ..exceptions import (
     CorruptRecordError,
     InvalidInputError,
+    KVShiftError,
     MemoryNotFoundError,
     StoreBusyError,
     StoreError,
     VersionConflictError,
 )
 from . import maintenance
+from .documents import approximate_tokens, split_document
 from .index import IndexedState, open_index
 from .items import owns
 from .keywords import keywords, memory_keywords
@@ -69,6 +72,8 @@ MAX_SESSION_BYTES = 16 << 20
 _RAM_CHUNK_BYTES = 256 << 20
 # fresh ids an add tries when gc fenced its write as abandoned (a writer stalled past the grace)
 _ADD_ATTEMPTS = 3
+#: a document's source is a name or an address, not a second text
+_MAX_SOURCE_CHARS = 2048
 
 
 class MemoryStore:
@@ -230,6 +235,70 @@ class MemoryStore:
             item=None,
         )
 
+    def add_document(
+        self,
+        text: str,
+        *,
+        tenant: str,
+        source: str | None = None,
+        session_id: str | None = None,
+        max_tokens: int = 200,
+        count_tokens: Callable[[str], int] | None = None,
+        importance_score: float = 0.5,
+        ttl_s: float | None = None,
+        index: bool = True,
+    ) -> list[MemoryRecord]:
+        """Store a long text as memories of at most ``max_tokens`` tokens each, in order.
+
+        The parts share a ``document`` id and carry their ``part`` number and ``source``, so
+        whoever recalls some of them can put them back in the document's order and say where they
+        came from; each is a memory like any other (searched, recalled, its fragment encoded once
+        and shifted in wherever it is recalled). Cuts fall at paragraph, line, sentence or word
+        boundaries (:func:`~kvshift_memory.store.documents.split_document`).
+
+        :param source: what to call the document (a file name, a URL); stored as given.
+        :param max_tokens: the most tokens per part; keep parts within what the embedder reads
+            (the bundled MiniLM reads 256 word pieces).
+        :param count_tokens: the tokens of a text; pass ``engine.count_tokens`` to cut by the
+            model's tokens (default: words and punctuation, a little under a subword count).
+        :returns: the parts' records, in document order. When this returns, all are durable.
+        :raises InvalidInputError: empty or over-long text, a bad source, ``max_tokens`` or
+            ``count_tokens``, or any argument :meth:`add` refuses.
+        :raises StoreError: the tier refused a write (the parts written before it are deleted again).
+        """
+        text = inputs.check_text(text, "text")
+        if source is not None:
+            source = inputs.check_text(source, "source")
+            if len(source) > _MAX_SOURCE_CHARS:
+                raise InvalidInputError(f"source has {len(source)} characters; at most {_MAX_SOURCE_CHARS}")
+        max_tokens = inputs.check_positive_int(max_tokens, "max_tokens")
+        if count_tokens is not None and not callable(count_tokens):
+            raise InvalidInputError("count_tokens must be a function of a text")
+        parts = split_document(text, max_tokens, count_tokens or approximate_tokens)
+        document = uuid.uuid4().hex
+        added: list[MemoryRecord] = []
+        try:
+            for number, part in enumerate(parts):
+                added.append(
+                    self._add(
+                        part,
+                        tenant=tenant,
+                        session_id=session_id,
+                        importance_score=importance_score,
+                        semantic_keywords=(),
+                        ttl_s=ttl_s,
+                        index=index,
+                        item=None,
+                        document=(document, number, source),
+                    )
+                )
+        except BaseException:
+            for record in added:  # a document is stored whole or not at all
+                with contextlib.suppress(KVShiftError):
+                    self.delete(record.id, tenant=record.tenant)
+            raise
+        return added
+
     def _add(
         self,
         text: str,
@@ -241,6 +310,7 @@ class MemoryStore:
         ttl_s: float | None,
         index: bool,
         item: str | None,
+        document: tuple[str, int, str | None] | None = None,
     ) -> MemoryRecord:
         """:meth:`add`, for a memory that the item row ``item`` owns when given (:mod:`.items`)."""
         tenant, session_id = self._ids(tenant, session_id)
@@ -265,6 +335,8 @@ class MemoryStore:
                 indexed=index,
                 item=item,
             )
+            if document is not None:
+                record = replace(record, document=document[0], part=document[1], source=document[2])
             try:
                 self._write_version(record, None, None)
             except VersionConflictError:

@@ -34,6 +34,9 @@ class MemoryRecord:
         of every search and recall (its text is never sent to the embedder).
     :param item: for the memory of a named item, the key of the item row that owns it: the
         memory is live only while that row names it.
+    :param document: for a part of a document (:meth:`MemoryStore.add_document`), the id its
+        parts share; ``part`` is its place in the document (0 first) and ``source`` what the
+        caller named the document (a file name, a URL).
     """
 
     id: str
@@ -48,6 +51,9 @@ class MemoryRecord:
     expires_at: float | None = None
     indexed: bool = True
     item: str | None = None
+    document: str | None = None
+    part: int | None = None
+    source: str | None = None
     status: str = "live"
     access_count: int = 0
     last_access: float | None = None
@@ -75,7 +81,7 @@ class MemoryRecord:
         if not isinstance(data, dict):
             raise StoreError("stored record does not have the expected fields")
         # records written before these fields existed are indexed and no item's
-        data = {"indexed": True, "item": None, **data}
+        data = {"indexed": True, "item": None, "document": None, "part": None, "source": None, **data}
         if set(data) != set(_STORED):
             raise StoreError("stored record does not have the expected fields")
         checks = {
@@ -91,10 +97,15 @@ class MemoryRecord:
             "expires_at": lambda v: v is None or _finite(v),
             "indexed": lambda v: isinstance(v, bool),
             "item": lambda v: v is None or (isinstance(v, str) and v.startswith("i/")),
+            "document": lambda v: v is None or (isinstance(v, str) and v.isalnum()),
+            "part": lambda v: v is None or (isinstance(v, int) and not isinstance(v, bool) and v >= 0),
+            "source": lambda v: v is None or isinstance(v, str),
         }
         for name, check in checks.items():
             if not check(data[name]):
                 raise StoreError(f"stored record has an invalid {name}")
+        if (data["document"] is None) != (data["part"] is None):
+            raise StoreError("stored record has a document without a part, or a part without a document")
         if text_hash(data["text"]) != data["source_text_hash"]:
             raise StoreError(f"stored record {data['id']}@{data['version']} does not match its text hash")
         data["semantic_keywords"] = tuple(data["semantic_keywords"])

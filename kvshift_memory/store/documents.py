@@ -1,0 +1,58 @@
+"""Splitting a long document into memories: consecutive parts of at most so many tokens.
+
+A part ends at the largest boundary that keeps it within the budget: a paragraph (a blank line),
+else a line, else a sentence, else a word; a single word longer than the budget is a part of its
+own (it cannot be cut without changing the text). Only the whitespace at a cut is dropped: nothing
+of the text is lost or reworded.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+
+__all__ = ["approximate_tokens", "split_document"]
+
+# from the widest boundary to the narrowest; each pattern's match is the whitespace a cut removes
+_BOUNDARIES = (re.compile(r"\n\s*\n\s*"), re.compile(r"\n\s*"), re.compile(r"(?<=[.!?])\s+"), re.compile(r"\s+"))
+_TOKEN = re.compile(r"\w+|[^\w\s]")
+
+
+def approximate_tokens(text: str) -> int:
+    """Words and punctuation marks in ``text``: close to (a little under) a subword tokenizer's count."""
+    return len(_TOKEN.findall(text))
+
+
+def split_document(text: str, max_tokens: int, count_tokens: Callable[[str], int] = approximate_tokens) -> list[str]:
+    """``text`` cut into consecutive parts of at most ``max_tokens`` tokens (by ``count_tokens``).
+
+    :returns: the parts, in order, each stripped of the whitespace around it; none empty.
+    """
+    return [part for part in _split(text.strip(), max_tokens, count_tokens, 0) if part]
+
+
+def _split(text: str, max_tokens: int, count_tokens: Callable[[str], int], level: int) -> list[str]:
+    if not text or count_tokens(text) <= max_tokens or level == len(_BOUNDARIES):
+        return [text]
+    pieces = _BOUNDARIES[level].split(text)
+    if len(pieces) == 1:
+        return _split(text, max_tokens, count_tokens, level + 1)
+    # greedy packing of whole pieces, keeping the separators the text had between them
+    separators = _BOUNDARIES[level].findall(text)
+    parts: list[str] = []
+    current = ""
+    for index, piece in enumerate(pieces):
+        candidate = piece if not current else current + separators[index - 1] + piece
+        if count_tokens(candidate) <= max_tokens:
+            current = candidate
+            continue
+        if current:
+            parts.append(current)
+        if count_tokens(piece) <= max_tokens:
+            current = piece
+        else:
+            parts.extend(_split(piece, max_tokens, count_tokens, level + 1))
+            current = ""
+    if current:
+        parts.append(current)
+    return parts
