@@ -1,14 +1,15 @@
 """LangChain integration of kvshift-memory: a chat model that reuses the KV cache it has read, a
-LangGraph store and an agent middleware whose recalled memories bring their stored KV along, and
-the classic chain memory."""
+LangGraph store and an agent middleware whose recalled memories bring their stored KV along, a
+retriever whose documents do too, and the classic chain memory."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from langchain_kvshift.chat_models import ChatKVShift
+from langchain_kvshift.retrievers import KVShiftRetriever
 
-__all__ = ["ChatKVShift", "KVShiftMemory", "KVShiftMiddleware", "KVShiftStore"]
+__all__ = ["ChatKVShift", "KVShiftMemory", "KVShiftMiddleware", "KVShiftRetriever", "KVShiftStore"]
 
 
 def __getattr__(name: str) -> Any:

@@ -178,7 +178,7 @@ class ChatKVShift(BaseChatModel):
     :param max_tokens: most tokens generated per call.
     :param temperature: 0 for greedy decoding.
     :param stop: strings that end a reply (not included).
-    :param reuse: ``"none"``, ``"prefix"``, ``"blend"`` or ``None`` (the engine's choice).
+    :param reuse: ``"auto"``, ``"none"``, ``"prefix"``, ``"blend"`` or ``None`` (the engine's default, ``"auto"``).
     :param repetition_penalty: above 1, tokens the answer already holds are made less likely;
         ``None``: 1.1 for structured output and tool calls (a loop would never close the JSON), 1 otherwise.
     :param recompute_ratio: the blend's share of memory tokens recomputed; ``None`` (default) the

@@ -72,7 +72,7 @@ class KVShiftLLM(CustomLLM):
     :param model: a Hugging Face id (from the local cache) or folder; ``None`` for the bundled
         SmolLM2-135M-Instruct. The process shares one engine per model, loaded on first use.
     :param max_tokens: most tokens generated per call; ``temperature`` 0 decodes greedily.
-    :param reuse: ``"none"``, ``"prefix"``, ``"blend"`` or ``None`` (the engine's choice).
+    :param reuse: ``"auto"``, ``"none"``, ``"prefix"``, ``"blend"`` or ``None`` (the engine's default, ``"auto"``).
     :param recompute_ratio: the blend's share of memory tokens recomputed; ``None`` (default) the
         engine's blend, which recomputes short memories next to the question whole (answers as
         full recompute's where the recalled memories sit in front of the latest message, as the
