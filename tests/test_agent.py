@@ -115,9 +115,10 @@ def test_window_shifts_out_old_turns_reencodes_what_stays_and_recalls_them_later
         assert budget.id in [r.id for r in later.recalled]
 
 
-def test_reuse_prefix_never_shifts(bundled_engine, store):
+@pytest.mark.parametrize("reuse", ["prefix", "auto"])
+def test_the_conversation_stays_exact_the_window_is_never_shifted(bundled_engine, store, reuse):
     bundled_engine.clear_cache()
-    agent = _agent(bundled_engine, store, window_tokens=150, reuse="prefix")
+    agent = _agent(bundled_engine, store, window_tokens=150, reuse=reuse)
     replies = [agent.chat(message) for message in TURNS[:6]]
     assert any(r.evicted_turns for r in replies)
     assert all(r.stats.shifted_tokens == 0 for r in replies)
@@ -392,3 +393,30 @@ def test_write_back_off_asks_without_remembering(bundled_engine, store):
     reply = agent.chat("The budget for the Lisbon trip is not 50k, it is 70k euros.")
     assert reply.archived is None and reply.corrected is None and reply.decision != "archive"
     assert store.stats()["memories"] == 1 and [h.version for h in agent.history(old.id)] == [1]
+
+
+BRIEF = "\n\n".join(
+    f"Section {n}. The Lisbon office opens in {2027 + n}. Marta leads hiring for team {n}; "
+    f"Tom reviews the budget of {n * 10}k euros. Receipts go to the shared folder within a week."
+    for n in range(1, 13)
+)
+
+
+def test_a_long_document_is_stored_in_parts_and_shifted_in_by_default(bundled_engine, store):
+    agent = _agent(bundled_engine, store)
+    assert agent.settings.reuse == "auto"
+    parts = agent.add_document(BRIEF, source="brief.md", max_tokens=150)
+    assert len(parts) > 1 and all(bundled_engine.count_tokens(p.text) <= 150 for p in parts)
+    assert [p.part for p in parts] == list(range(len(parts))) and {p.source for p in parts} == {"brief.md"}
+    reply = agent.chat("Who reviews the budget of team 3?")
+    recalled_parts = [r for r in reply.recalled if r.document == parts[0].document]
+    assert recalled_parts  # warmed when added: shifted in, nothing encoded at question time
+    assert reply.stats.memory_reuse.count("shifted") >= len(recalled_parts)
+    assert reply.stats.fragments_missed == 0 and reply.stats.encoded_tokens == 0
+    short = agent.add("Tea, no sugar.")  # too short for shifting to pay: no fragment encoded for it
+    assert not bundled_engine.fragments.available(
+        bundled_engine.plan("q", [short], namespace=agent.user_id).layout,
+        bundled_engine.plan("q", [short], namespace=agent.user_id).layout.fragments[0],
+    )
+    with pytest.raises(InvalidInputError):
+        agent.add_document("  ")

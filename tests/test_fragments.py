@@ -375,3 +375,26 @@ def test_memory_reuse_names_what_each_memory_got_in_every_mode(tiny_engine):
     tiny_engine.generate(OTHER_SYSTEM, LONG_MEMORIES, reuse="prefix", max_new_tokens=1)
     again = tiny_engine.generate(OTHER_SYSTEM, LONG_MEMORIES, reuse="prefix", max_new_tokens=1).stats
     assert again.memory_reuse == ["prefix", "prefix"]
+
+
+def test_memories_a_separator_apart_are_placed_as_one_run(tiny_engine):
+    """A framework joins retrieved documents with a blank line: both are shifted, the separator
+    computed in the repair pass (exact when every token is recomputed)."""
+    content = "Context:\n\n\nQuestion: q"
+    messages = [{"role": "user", "content": content, "memories": LONG_MEMORIES, "memories_at": [9, 10]}]
+    tiny_engine.clear_cache()
+    reference = first_logits(tiny_engine, messages, reuse="none")
+    tiny_engine.warm(LONG_MEMORIES, lead_fragments=False)
+    layout = tiny_engine.plan(messages).layout
+    assert 0 < layout.fragments[1].start - layout.fragments[0].end <= 2
+    stats = tiny_engine.generate(messages, reuse="blend", recompute_ratio=0.0, max_new_tokens=1).stats
+    assert stats.memory_reuse == ["shifted", "shifted"] and partition_holds(stats)
+    tiny_engine.clear_cache(fragments=False)
+    exact = first_logits(tiny_engine, messages, reuse="blend", ratio=1.0)
+    assert (exact - reference).abs().max() < 1e-4
+    # a longer stretch of text between them: only the last memory is placed
+    apart = [
+        {**messages[0], "content": "Context:\n" + "and some words in between " * 4 + "\nQ", "memories_at": [9, 110]}
+    ]
+    tiny_engine.clear_cache(fragments=False)
+    assert tiny_engine.generate(apart, reuse="blend", max_new_tokens=1).stats.memory_reuse == ["text", "shifted"]

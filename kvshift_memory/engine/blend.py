@@ -33,6 +33,8 @@ __all__ = ["choose_recompute", "last_adjacent_run", "lead_possible", "prefill_bl
 # The blend ranks fragment tokens by the attention of the prompt's last tokens (the ones the answer
 # is generated from); measured as good as all question tokens, at a fraction of the cost.
 _SELECTION_QUERIES = 8
+#: the most tokens between two memories that still place them as one run
+_SEPARATOR_TOKENS = 8
 
 
 @torch.inference_mode()
@@ -55,7 +57,8 @@ def prefill_blend(
     so a miss never costs an encoding at question time. With ``auto``, a memory too short for
     shifting to pay is recomputed exactly too.
 
-    :param new_spans: a run of adjacent memory spans, none of them inside the reused slots.
+    :param new_spans: a run of memory spans, at most a separator apart (:func:`last_adjacent_run`),
+        none of them inside the reused slots.
     :param stats: counts are added to it.
     """
     ids, n = layout.token_ids, layout.length
@@ -99,17 +102,19 @@ def prefill_blend(
     if placed:
         engine.place(cache, placed, fragments)
     shifted = [span for span in placed if origins[id(span)] == "shifted"]
-    inline = [span for span in new_spans if origins[id(span)] not in ("lead", "shifted")]
-    for span in inline:  # its K/V is computed in the pass below; the selection pass must read no garbage
+    # computed in the repair pass below: the memories not shifted, and the separators between memories
+    inline = [(s.start, s.end) for s in new_spans if origins[id(s)] not in ("lead", "shifted")]
+    inline += [(a.end, b.start) for a, b in zip(new_spans, new_spans[1:], strict=False) if b.start > a.end]
+    for start, end in inline:  # the selection pass must read no garbage there
         for layer in range(engine.num_layers):
             keys, values = cache.buffer(layer)
-            keys[..., span.start : span.end, :].zero_()
-            values[..., span.start : span.end, :].zero_()
+            keys[..., start:end, :].zero_()
+            values[..., start:end, :].zero_()
     exact_until = min(exact_until, first)  # not past a lead fragment: one from a store went through its codec
     candidate_total = sum(span.end - span.start for span in shifted)
     count = min(recompute_count(engine.settings, candidate_total, ratio), candidate_total)
     forced = (
-        torch.cat([torch.arange(s.start, s.end, device="cpu") for s in inline])
+        torch.cat([torch.arange(start, end, device="cpu") for start, end in inline])
         if inline
         else torch.zeros(0, dtype=torch.long, device="cpu")
     )
@@ -243,10 +248,12 @@ def reads_lead(engine: KVShiftEngine, layout: PromptLayout, span: FragmentSpan) 
 
 
 def last_adjacent_run(spans: list[FragmentSpan]) -> list[FragmentSpan]:
-    """The trailing spans that follow each other without a gap."""
+    """The trailing spans that follow each other with at most a separator between them (a
+    framework joins the documents it retrieved with a blank line): the separators are computed
+    in the repair pass. A longer stretch of text between two memories ends the run."""
     run = spans[-1:]
     for span in reversed(spans[:-1]):
-        if span.end != run[0].start:
+        if not 0 <= run[0].start - span.end <= _SEPARATOR_TOKENS:
             break
         run.insert(0, span)
     return run

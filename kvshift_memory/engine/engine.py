@@ -521,7 +521,10 @@ class KVShiftEngine:
             fallback_reason=plan.fallback_reason,
         )
         reused, exact_until, shifted = (
-            (0, n, 0) if mode == "none" else self.prefix_cache.reuse(cache, layout, mode, self.rotate)
+            (0, n, 0)
+            if mode == "none"
+            # "auto" keeps the conversation exact: no window shifted in from behind a cut
+            else self.prefix_cache.reuse(cache, layout, mode, self.rotate, shift_cuts=plan.requested_reuse != "auto")
         )
         if plan.kv_store is not None and mode != "none" and shifted == 0 and reused < n - 1:
             restored = self.chunks.restore(plan.kv_store, cache, layout, reused, mode == "blend")
@@ -533,8 +536,8 @@ class KVShiftEngine:
         stats.shifted_tokens = shifted
         stats.fragments_hit = sum(1 for span in layout.fragments if span.end <= reused)
         stats.memory_reuse = ["prefix" if span.end <= reused else "text" for span in layout.fragments]
-        # Only the last run of adjacent memories is placed; earlier ones not yet cached (a
-        # conversation whose earlier turns fell out of the prefix cache) are read as text.
+        # Only the last run of memories (at most separators apart) is placed; earlier ones not yet
+        # cached (a conversation whose earlier turns fell out of the prefix cache) are read as text.
         new_spans = (
             last_adjacent_run([span for span in layout.fragments if span.start >= reused]) if mode == "blend" else []
         )

@@ -79,11 +79,13 @@ class PrefixCache:
         entry = PrefixEntry(namespace, ids[:filled].clone(), kv, min(exact_until, filled), nbytes)
         self._pool.put(id(entry), entry)
 
-    def reuse(self, cache: ShiftCache, layout: PromptLayout, mode: str, rotate: Rotate) -> tuple[int, int, int]:
+    def reuse(
+        self, cache: ShiftCache, layout: PromptLayout, mode: str, rotate: Rotate, shift_cuts: bool = True
+    ) -> tuple[int, int, int]:
         """Copy the longest usable cached prefix of ``layout`` into ``cache``.
 
-        :param mode: ``"prefix"`` (exact slots only) or ``"blend"`` (also a prompt's stretch after
-            a cut, shifted with ``rotate``).
+        :param mode: ``"prefix"`` (exact slots only) or ``"blend"`` (also slots an earlier blend
+            placed, and with ``shift_cuts`` a prompt's stretch after a cut, shifted with ``rotate``).
         :returns: (tokens reused, exact until, of the reused those shifted from a later position).
         """
         ids, n = layout.token_ids, layout.length
@@ -101,7 +103,7 @@ class PrefixCache:
                 cache.write(layer, 0, keys[..., :reused, :], values[..., :reused, :])
         exact_until = n if reused <= entry.exact_length else entry.exact_length
         shifted = 0
-        if mode == "blend":  # from ``reused``, not ``common``: a cut may fall inside a memory's span
+        if mode == "blend" and shift_cuts:  # from ``reused``, not ``common``: a cut may fall inside a memory's span
             donor, source, run = self._cut_out_run(layout.namespace, ids, reused)
             shifted = whole_spans(layout, reused + min(run, n - 1 - reused)) - reused
             if donor is not None and shifted >= _MIN_SHIFTED_RUN:
