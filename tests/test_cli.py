@@ -130,6 +130,10 @@ def test_demo_runs_both_sessions_with_recall_and_a_correction(capsys):
     # a fact stated, not asked, in session 1 is the best recall of the question about it
     hotel = next(line for line in session_2.splitlines() if line.startswith("Who books the hotel"))
     assert "Marta books the hotel" in hotel and "planning" in hotel
+    stored = re.search(r"(\d+) tokens stored as (\d+) memories of at most 400 tokens", out)
+    assert stored is not None and int(stored.group(1)) > 1000 and int(stored.group(2)) >= 4, out
+    boat = next(line for line in session_2.splitlines() if line.startswith("When does the boat tour"))
+    assert "lisbon-bri" in boat and re.search(r"\d+\.\dx", boat)  # a part of the brief recalled, timed against none
     thanks = next(line for line in out.splitlines() if line.startswith("ok, thanks!"))
     assert thanks.rstrip().endswith("window")  # small talk stays in the window, never stored
     assert "demo finished" in out
