@@ -23,7 +23,8 @@ search hit's item), :func:`list_items`, :func:`item_tenants`.
 
 Span markers (``⟦mem:ID@VERSION⟧text⟦/mem⟧``, how a memory travels through a framework's flat
 prompt text; ``docs/how-it-works.md``): :func:`render_marker`, :func:`render_memories`, :func:`marked_user_message`,
-:func:`parse_markers`, :func:`resolve_markers`, :func:`strip_markers`.
+:func:`parse_markers`, :func:`resolve_markers`, :func:`strip_markers`; :func:`in_document_order`
+(a retriever's hits with a document's parts in order).
 
 The engine and store an adapter is given are typed by :class:`~kvshift_memory.protocols.Engine`
 and :class:`~kvshift_memory.protocols.Store`.
@@ -44,6 +45,7 @@ from .markers import (
 )
 from .protocols import Engine, Store
 from .shipped import context_window
+from .store.documents import in_document_order
 from .store.items import Item, delete_item, get_item, item_of, item_tenants, list_items, put_item
 
 __all__ = [
@@ -61,6 +63,7 @@ __all__ = [
     "explicit_request",
     "forget_closest",
     "get_item",
+    "in_document_order",
     "item_of",
     "item_tenants",
     "last_sentence",

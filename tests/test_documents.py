@@ -9,6 +9,7 @@ import pytest
 
 from kvshift_memory import MemoryStore
 from kvshift_memory.exceptions import InvalidInputError, StoreError
+from kvshift_memory.adapters import in_document_order
 from kvshift_memory.store.documents import approximate_tokens, split_document
 
 BRIEF = "\n\n".join(
@@ -81,6 +82,16 @@ def test_add_document_round_trip_keeps_order_and_source(make_store):
     assert store.search("budget", tenant="bob", k=3) == []  # another tenant sees none of it
     again = store.add_document(BRIEF, tenant="alice", max_tokens=60)
     assert again[0].document != parts[0].document and again[0].source is None
+
+
+def test_hits_come_with_a_documents_parts_in_order_where_its_best_part_ranked(tmp_path, embedder):
+    with MemoryStore(tmp_path / "s", embedder=embedder, index_url=":memory:") as store:
+        parts = store.add_document(BRIEF, tenant="alice", max_tokens=60)
+        note = store.add("Bob's door code is 4512.", tenant="alice")
+        other = store.add_document("First. " * 15 + "\n\n" + "Second. " * 15, tenant="alice", max_tokens=50)
+        hits = [other[1], parts[2], note, parts[0], other[0], parts[1]]
+        assert in_document_order(hits) == [other[0], other[1], parts[0], parts[1], parts[2], note]
+        assert in_document_order([note]) == [note] and in_document_order([]) == []
 
 
 def test_parts_are_cut_by_the_model_tokens_when_given(make_store, tokenizer):

@@ -61,6 +61,7 @@ ADAPTERS = {
     "context_window",
     "explicit_request",
     "forget_closest",
+    "in_document_order",
     "last_sentence",
     "marked_user_message",
     "parse_markers",

@@ -9,9 +9,11 @@ of the text is lost or reworded.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
-__all__ = ["approximate_tokens", "split_document"]
+from .records import MemoryRecord
+
+__all__ = ["approximate_tokens", "in_document_order", "split_document"]
 
 # from the widest boundary to the narrowest; each pattern's match is the whitespace a cut removes
 _BOUNDARIES = (re.compile(r"\n\s*\n\s*"), re.compile(r"\n\s*"), re.compile(r"(?<=[.!?])\s+"), re.compile(r"\s+"))
@@ -56,3 +58,15 @@ def _split(text: str, max_tokens: int, count_tokens: Callable[[str], int], level
     if current:
         parts.append(current)
     return parts
+
+
+def in_document_order(records: Sequence[MemoryRecord]) -> list[MemoryRecord]:
+    """Search hits with the parts of one document in the document's order, each document where its
+    best-ranked part was; a memory that is no document's part keeps its place.
+
+    :param records: best first, as :meth:`~kvshift_memory.MemoryStore.search` returns them.
+    """
+    rank: dict[str, int] = {}
+    for position, record in enumerate(records):
+        rank.setdefault(record.document or record.id, position)
+    return sorted(records, key=lambda r: (rank[r.document or r.id], r.part or 0))

@@ -19,7 +19,7 @@ from langchain_core.retrievers import BaseRetriever
 from pydantic import ConfigDict, Field
 
 from kvshift_memory import MemoryStore
-from kvshift_memory.adapters import render_marker
+from kvshift_memory.adapters import in_document_order, render_marker
 
 __all__ = ["KVShiftRetriever"]
 
@@ -49,10 +49,7 @@ class KVShiftRetriever(BaseRetriever):
     def _get_relevant_documents(self, query: str, *, run_manager: CallbackManagerForRetrieverRun) -> list[Document]:
         records = self.store.search(query, tenant=self.user_id, session_id=self.session_id, k=self.k)
         if self.document_order:
-            rank: dict[str, int] = {}
-            for position, record in enumerate(records):
-                rank.setdefault(record.document or record.id, position)
-            records = sorted(records, key=lambda r: (rank[r.document or r.id], r.part or 0))
+            records = in_document_order(records)
         return [Document(page_content=render_marker(record), metadata=_metadata(record)) for record in records]
 
 

@@ -75,7 +75,11 @@ def test_a_conversation_chain_reads_most_of_each_prompt_from_the_cache(store, mo
     # shift-only placement, so the share read from the cache measures the prompt's stability (each
     # prompt starts with the last); the default also recomputes the newly recalled short memories
     # whole, which it counts as computed (turn 2: 79 %, turns 3-6: 82-87 %)
-    chain, llm = _chain(store, callbacks=[usage], recompute_ratio=0.0)
+    chain, llm = _chain(store, callbacks=[usage], reuse="blend", recompute_ratio=0.0)
+    # the facts' fragments encoded when they were stored, as an application would: a memory with
+    # no fragment is computed with the question, which this share would count as computed
+    facts = [hit for fact in FACTS for hit in store.search(fact, tenant="alice", k=1)]
+    llm._engine().warm(facts, namespace="alice")
     prompts = _spy_prompts(monkeypatch, llm)
     for question in QUESTIONS:
         chain.invoke({"input": question})

@@ -17,7 +17,7 @@ from llama_index.core.retrievers import BaseRetriever
 from llama_index.core.schema import NodeWithScore, QueryBundle, TextNode
 
 from kvshift_memory import MemoryStore
-from kvshift_memory.adapters import render_marker
+from kvshift_memory.adapters import in_document_order, render_marker
 
 __all__ = ["KVShiftRetriever"]
 
@@ -56,10 +56,7 @@ class KVShiftRetriever(BaseRetriever):
     def _retrieve(self, query_bundle: QueryBundle) -> list[NodeWithScore]:
         records = self.store.search(query_bundle.query_str, tenant=self.user_id, session_id=self.session_id, k=self.k)
         if self.document_order:
-            rank: dict[str, int] = {}
-            for position, record in enumerate(records):
-                rank.setdefault(record.document or record.id, position)
-            records = sorted(records, key=lambda r: (rank[r.document or r.id], r.part or 0))
+            records = in_document_order(records)
         return [
             NodeWithScore(
                 node=TextNode(
