@@ -8,8 +8,8 @@ import re
 import pytest
 
 from kvshift_memory import MemoryStore
-from kvshift_memory.exceptions import InvalidInputError, StoreError
 from kvshift_memory.adapters import in_document_order
+from kvshift_memory.exceptions import InvalidInputError, StoreError
 from kvshift_memory.store.documents import approximate_tokens, split_document
 
 BRIEF = "\n\n".join(

@@ -18,6 +18,9 @@ FACTS = [
     "The hotel in Lisbon is the Casa Azul, booked for five nights.",
 ]
 QUESTION = "When does the flight to Lisbon leave?"
+# Every stored fragment placed as it is: memories this short are otherwise recomputed whole (the
+# blend's minimum repair covers them), so the store would not be read at all.
+SHIFT_ONLY = {"reuse": "blend", "recompute_ratio": 0.0}
 
 
 @pytest.fixture
@@ -42,16 +45,17 @@ def cold(engine: KVShiftEngine, store: MemoryStore) -> None:
 def test_fragments_are_stored_once_and_fetched_later(bundled_engine, store):
     records = [store.add(text, tenant="alice") for text in FACTS]
     cold(bundled_engine, store)
-    first = bundled_engine.generate(QUESTION, records, max_new_tokens=12)
+    first = bundled_engine.generate(QUESTION, records, max_new_tokens=12, **SHIFT_ONLY)
     assert (first.stats.fragments_missed, first.stats.fragments_loaded) == (4, 0)
-    assert all(len(blob_keys(store, r)) == 1 for r in records)
-    assert store.stats()["fragments_by_codec"] == {"int8": 4}
+    # encoded after the answer: the first memory's lead fragment too, as it opens the memory block
+    assert [len(blob_keys(store, r)) for r in records] == [2, 1, 1, 1]
+    assert store.stats()["fragments_by_codec"] == {"int8": 5}
     cold(bundled_engine, store)
-    second = bundled_engine.generate(QUESTION, records, max_new_tokens=12)
+    second = bundled_engine.generate(QUESTION, records, max_new_tokens=12, **SHIFT_ONLY)
     assert (second.stats.fragments_hit, second.stats.fragments_loaded, second.stats.fragments_missed) == (4, 4, 0)
     assert second.stats.encoded_tokens == 0 and second.stats.reused_tokens > 0
     # plain texts with the same words share the in-process fragments, but never write to the store
-    assert store.stats()["fragments"] == 4
+    assert store.stats()["fragments"] == 5
 
 
 @pytest.mark.model
@@ -64,7 +68,7 @@ def test_lead_fragments_are_stored_beside_the_ordinary_ones_and_fetched_for_the_
     assert bundled_engine.warm(records) == 0  # both found in the store
     for order in (records, records[::-1]):  # whichever memory comes first reads its lead fragment
         cold(bundled_engine, store)
-        stats = bundled_engine.generate(QUESTION, order, max_new_tokens=1).stats
+        stats = bundled_engine.generate(QUESTION, order, max_new_tokens=1, **SHIFT_ONLY).stats
         assert (stats.fragments_loaded, stats.fragments_missed, stats.encoded_tokens) == (4, 0, 0)
         layout = bundled_engine.plan(QUESTION, order, reuse="blend", recompute_ratio=0.0).layout
         lead_digest = layout.context_digest(layout.fragments[0], lead=True)
@@ -102,7 +106,7 @@ def test_a_damaged_blob_is_refused_reencoded_and_the_answer_is_unchanged(bundled
     # the reference: the victim's fragment freshly encoded from text, the others fetched
     store.tier.delete(key)
     cold(bundled_engine, store)
-    reference = bundled_engine.generate(QUESTION, records, max_new_tokens=16)
+    reference = bundled_engine.generate(QUESTION, records, max_new_tokens=16, **SHIFT_ONLY)
     assert (reference.stats.fragments_loaded, reference.stats.fragments_missed) == (3, 1)
 
     good = store.tier.get(key)
@@ -112,13 +116,13 @@ def test_a_damaged_blob_is_refused_reencoded_and_the_answer_is_unchanged(bundled
     else:
         store.tier.set(key, damage(good))
     cold(bundled_engine, store)
-    answer = bundled_engine.generate(QUESTION, records, max_new_tokens=16)
+    answer = bundled_engine.generate(QUESTION, records, max_new_tokens=16, **SHIFT_ONLY)
     assert answer.stats.fragments_rejected == 1 and answer.stats.fragments_loaded == 3
     assert answer.text == reference.text and answer.token_ids == reference.token_ids
     assert store.corrupt_fragments == 1
     # re-encoded and stored again: the next cold call fetches all four
     cold(bundled_engine, store)
-    assert bundled_engine.generate(QUESTION, records, max_new_tokens=1).stats.fragments_loaded == 4
+    assert bundled_engine.generate(QUESTION, records, max_new_tokens=1, **SHIFT_ONLY).stats.fragments_loaded == 4
 
 
 @pytest.mark.model
@@ -131,7 +135,7 @@ def test_check_reports_and_drops_a_corrupt_blob(bundled_engine, store):
     assert report.ok and len(report.repaired) == 1 and "checksum" in report.problems[0]
     assert blob_keys(store, records[0]) == []
     cold(bundled_engine, store)
-    stats = bundled_engine.generate(QUESTION, records, max_new_tokens=1).stats
+    stats = bundled_engine.generate(QUESTION, records, max_new_tokens=1, **SHIFT_ONLY).stats
     assert (stats.fragments_loaded, stats.fragments_missed) == (1, 1)
 
 
@@ -143,9 +147,11 @@ def test_another_model_finds_old_fragments_stale_and_reencodes(bundled_engine, s
     assert other.fingerprint != bundled_engine.fingerprint
     assert store.stats(model_fingerprint=other.fingerprint)["stale_fragments"] == 8  # lead and ordinary
 
-    answer = other.generate(QUESTION, records, max_new_tokens=8)
+    answer = other.generate(QUESTION, records, max_new_tokens=8, **SHIFT_ONLY)
     assert (answer.stats.fragments_loaded, answer.stats.fragments_missed) == (0, 4)
-    fresh = KVShiftEngine(tiny_model(TINY_CONFIGS["llama"]()), tokenizer).generate(QUESTION, FACTS, max_new_tokens=8)
+    fresh = KVShiftEngine(tiny_model(TINY_CONFIGS["llama"]()), tokenizer).generate(
+        QUESTION, FACTS, max_new_tokens=8, **SHIFT_ONLY
+    )
     assert answer.token_ids == fresh.token_ids
     assert store.stats(model_fingerprint=other.fingerprint)["stale_fragments"] == 8  # the old model's, unused
 
@@ -156,7 +162,7 @@ def test_another_model_finds_old_fragments_stale_and_reencodes(bundled_engine, s
         new_key = next(k for k in keys if _fingerprint(store, k) == other.fingerprint)
         store.tier.set(new_key, store.tier.get(old_key))
     cold(other, store)
-    forced = other.generate(QUESTION, records, max_new_tokens=8)
+    forced = other.generate(QUESTION, records, max_new_tokens=8, **SHIFT_ONLY)
     assert forced.stats.fragments_rejected == 4 and forced.token_ids == fresh.token_ids
 
     freed = store.gc(keep_model_fingerprint=other.fingerprint)
@@ -173,7 +179,7 @@ def test_an_unreachable_store_costs_speed_not_the_answer(store, tokenizer, monke
 
     engine = KVShiftEngine(tiny_model(TINY_CONFIGS["llama"]()), tokenizer)
     records = [store.add(text, tenant="alice") for text in FACTS]
-    expected = engine.generate(QUESTION, FACTS, max_new_tokens=6).token_ids
+    expected = engine.generate(QUESTION, FACTS, max_new_tokens=6, **SHIFT_ONLY).token_ids
 
     def down(*args, **kwargs):
         raise StoreError("connection refused")
@@ -181,5 +187,5 @@ def test_an_unreachable_store_costs_speed_not_the_answer(store, tokenizer, monke
     for name in ("load_fragment", "save_fragment", "has_fragment"):
         monkeypatch.setattr(store, name, down)
     engine.clear_cache()
-    answer = engine.generate(QUESTION, records, max_new_tokens=6)
+    answer = engine.generate(QUESTION, records, max_new_tokens=6, **SHIFT_ONLY)
     assert answer.token_ids == expected and answer.stats.fragments_missed == 4

@@ -42,8 +42,8 @@ def store(tmp_path):
 def _llm(store, **kwargs) -> tuple[KVShiftLLM, list[dict]]:
     """An LLM resolving ``alice``'s markers, and the reuse stats of each of its calls."""
     # shift-only placement: these tests follow a memory from write-back to its stored fragment being
-    # placed (the default recomputes short memories next to the question whole, from their text)
-    kwargs = {"recompute_ratio": 0.0, **kwargs}
+    # placed (the default, "auto", recomputes short memories next to the question whole, from their text)
+    kwargs = {"reuse": "blend", "recompute_ratio": 0.0, **kwargs}
     llm = KVShiftLLM(max_tokens=24, store=store, user_id="alice", **kwargs)
     seen: list[dict] = []
     for name in ("chat", "complete"):
