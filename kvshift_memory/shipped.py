@@ -54,6 +54,10 @@ class ShippedModel:
     :param sha256: the digest of the whole GGUF file, when the packages publish it.
     :param instruct: tuned for chat (else a base model, prompted as plain text).
     :param context_window: its positions (``max_position_embeddings``), known without loading it.
+    :param auto_shifts: whether ``reuse="auto"`` shifts long memories in on this model (the
+        engine's ``EngineSettings.auto_shifts`` when the caller leaves it unset): ``False`` where
+        the agent's answers under the blend were measured to move too far from full recompute's
+        (``docs/benchmarks/long_memory.md``), so the default stays exact there.
     """
 
     name: str
@@ -63,6 +67,7 @@ class ShippedModel:
     sha256: str | None = None
     instruct: bool = True
     context_window: int = 8192
+    auto_shifts: bool = True
 
     def missing_error(self, detail: str) -> ModelNotFoundError:
         return ModelNotFoundError(
@@ -135,6 +140,7 @@ SHIPPED_MODELS: dict[str, ShippedModel] = {
             sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
             instruct=False,
             context_window=32768,
+            auto_shifts=False,
         ),
     )
 }

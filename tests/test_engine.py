@@ -48,6 +48,10 @@ QUESTIONS = [
 
 
 @pytest.mark.model
+def test_the_default_model_shifts_long_memories_under_auto(bundled_engine):
+    assert bundled_engine.settings.auto_shifts is True  # measured on it: docs/benchmarks/long_memory.md
+
+
 def test_prefix_reuse_matches_full_recompute_on_20_prompts(bundled_engine):
     engine = bundled_engine
     engine.clear_cache()

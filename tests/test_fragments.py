@@ -350,6 +350,23 @@ def test_auto_shifts_a_long_memory_and_recomputes_a_short_one(tiny_engine):
     assert (short.logits - first_logits(tiny_engine, OTHER_SYSTEM, [SHORT_MEMORY, MEMORIES[0]])).abs().max() < 1e-4
 
 
+def test_auto_recomputes_every_memory_on_a_model_whose_blend_was_measured_to_change_answers(tokenizer):
+    engine = KVShiftEngine(tiny_model(TINY_CONFIGS["llama"]()), tokenizer, auto_shifts=False)
+    engine.warm(LONG_MEMORIES, lead_fragments=False)
+    auto = engine.generate(OTHER_SYSTEM, LONG_MEMORIES, max_new_tokens=1).stats
+    assert auto.requested_reuse == "auto" and auto.reuse == "prefix" and "shifted" not in auto.memory_reuse
+    assert auto.fallback_reason is not None and "auto_shifts=False" in auto.fallback_reason
+    engine.clear_cache(fragments=False)
+    exact = first_logits(engine, OTHER_SYSTEM, LONG_MEMORIES, reuse=None)
+    assert (exact - first_logits(engine, OTHER_SYSTEM, LONG_MEMORIES, reuse="none")).abs().max() < 1e-4
+    engine.clear_cache(fragments=False)
+    blend = engine.generate(OTHER_SYSTEM, LONG_MEMORIES, reuse="blend", max_new_tokens=1).stats
+    assert blend.memory_reuse == ["shifted", "shifted"]  # asked for by name, the blend still shifts
+    assert KVShiftEngine(tiny_model(TINY_CONFIGS["llama"]()), tokenizer).settings.auto_shifts is True  # unmeasured
+    with pytest.raises(InvalidInputError, match="auto_shifts"):
+        KVShiftEngine(tiny_model(TINY_CONFIGS["llama"]()), tokenizer, auto_shifts="no")
+
+
 def test_a_cold_miss_is_computed_with_the_question_and_encoded_after_the_answer(tiny_engine):
     tiny_engine.clear_cache()
     reference = first_logits(tiny_engine, OTHER_SYSTEM, LONG_MEMORIES)

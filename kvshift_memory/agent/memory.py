@@ -440,11 +440,15 @@ class AgentMemory:
 
     def _shifts(self, record: Any) -> bool:
         """Whether a recall would shift ``record``'s fragment in (so it is worth encoding now):
-        always under ``"blend"``; under ``"auto"`` when it is long enough for shifting to pay."""
+        always under ``"blend"``; under ``"auto"`` when the model shifts memories in under it
+        (``EngineSettings.auto_shifts``) and the memory is long enough for shifting to pay."""
         if self.settings.reuse == "blend":
             return True
-        return self.settings.reuse == "auto" and (
-            self.engine.count_tokens(record.text, namespace=self.user_id) >= self.engine.settings.min_recompute_tokens
+        engine_settings = self.engine.settings
+        return (
+            self.settings.reuse == "auto"
+            and bool(engine_settings.auto_shifts)
+            and self.engine.count_tokens(record.text, namespace=self.user_id) >= engine_settings.min_recompute_tokens
         )
 
     def _warm(self, records: Sequence[Any]) -> None:

@@ -25,6 +25,7 @@ from ..kv.cache import ForwardStep, ShiftCache
 from ..kv.fragment import Fragment
 from ..kv.rope import rotate_
 from ..protocols import ChunkStore
+from ..shipped import DEFAULT_MODEL, SHIPPED_MODELS
 from .allocator import keep_freed_memory
 from .attention import ATTENTION_NAME
 from .blend import last_adjacent_run, lead_possible, prefill_blend
@@ -85,6 +86,8 @@ class KVShiftEngine:
         **overrides: Any,
     ) -> None:
         self.settings = replace(settings or EngineSettings(), **overrides)
+        if self.settings.auto_shifts is None:  # a model nobody measured: the blend's default
+            self.settings = replace(self.settings, auto_shifts=True)
         if self.settings.keep_freed_memory:
             keep_freed_memory()
         self.model = model.eval()
@@ -172,6 +175,13 @@ class KVShiftEngine:
                 passed[key] = value
         if device_map is not None:
             passed["device_map"] = device_map
+        shipped = SHIPPED_MODELS.get(DEFAULT_MODEL if name_or_path is None else str(name_or_path))
+        if (
+            shipped is not None
+            and overrides.get("auto_shifts") is None
+            and (settings or EngineSettings()).auto_shifts is None
+        ):
+            overrides["auto_shifts"] = shipped.auto_shifts  # what was measured on this model
         loaded = load_model(name_or_path, resolve_dtype(dtype), resolve_device(device), **passed)
         with sharing(loaded.weights):
             return cls(loaded.model, loaded.tokenizer, fingerprint=loaded.fingerprint, settings=settings, **overrides)

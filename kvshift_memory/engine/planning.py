@@ -26,6 +26,11 @@ from .speakers import cast_speakers
 
 __all__ = ["Planner", "PreparedPrompt", "PromptPlan"]
 
+_AUTO_EXACT = (
+    'reuse="auto" is exact on this model (EngineSettings.auto_shifts=False): its blend changed too many '
+    "answers (docs/benchmarks/long_memory.md); memories recomputed"
+)
+
 
 @dataclass(frozen=True)
 class PromptPlan:
@@ -131,11 +136,13 @@ class Planner:
         )
         self._check_fits(layout, extra_tokens)
         mode: ReuseMode
+        fallback = None
         if requested is None or requested == "auto":
-            mode = "blend" if layout.fragments else "prefix"
+            mode = "blend" if layout.fragments and settings.auto_shifts else "prefix"
+            if layout.fragments and not settings.auto_shifts:
+                fallback = _AUTO_EXACT
         else:
             mode = requested
-        fallback = None
         if mode == "blend":
             fallback = self._position_scheme.reason
             if fallback is not None:

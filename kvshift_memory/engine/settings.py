@@ -51,6 +51,11 @@ class EngineSettings:
         like the others, and the blend's recompute budget goes to the others. :meth:`KVShiftEngine.warm`
         then encodes two fragments per memory (its ``lead_fragments`` argument says whether the
         memories will be placed there). Measured in ``docs/benchmarks/fidelity.md``.
+    :param auto_shifts: whether ``reuse="auto"`` (the default) shifts long memories in from their
+        fragments (``True``) or recomputes every memory, as ``"prefix"`` does (``False``, and
+        ``stats.fallback_reason`` says so). ``None``: the model's measured choice, ``False`` for a
+        shipped model whose blend changed too many of the agent's answers
+        (``docs/benchmarks/long_memory.md``), else ``True``.
     :param prefix_cache_bytes: bound on the K/V of earlier prompts kept for exact prefix reuse.
     :param chunk_tokens: tokens per chunk of the K/V a call given a ``kv_store`` keeps there
         (:mod:`~kvshift_memory.engine.chunks`); only full chunks are kept, so a restored prompt
@@ -74,6 +79,7 @@ class EngineSettings:
     encode_context: str = field(default_factory=builtin_encode_context)
     match_speakers: bool = True
     lead_fragments: bool = True
+    auto_shifts: bool | None = None
     prefix_cache_bytes: int = 1 << 30
     chunk_tokens: int = 256
     fragment_cache_bytes: int = 1 << 30
@@ -92,3 +98,5 @@ class EngineSettings:
         for name in ("match_speakers", "lead_fragments", "keep_freed_memory", "pack_weights"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidInputError(f"{name} must be True or False, not {getattr(self, name)!r}")
+        if self.auto_shifts is not None and not isinstance(self.auto_shifts, bool):
+            raise InvalidInputError(f"auto_shifts must be True, False or None, not {self.auto_shifts!r}")
