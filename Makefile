@@ -51,6 +51,7 @@ bench: install
 	$(PY) benchmarks/attention.py
 	$(PY) benchmarks/store.py
 	$(PY) benchmarks/resume.py
+	$(PY) benchmarks/long_memory.py
 	$(PY) benchmarks/writeback.py
 	$(PY) benchmarks/recall.py
 	$(PY) benchmarks/turns.py

@@ -16,9 +16,15 @@ with the recalled sessions as memories, in these conditions (same model, same ru
   computed with the question; must cost no more than ``none``;
 - ``exact prefix``: after the sessions are warmed again under this system message (the best case).
 
-Then each question is asked of an :class:`AgentMemory` (its own recall of ``--k``, the same system
-message, nothing written back), under its default reuse and under ``"none"``: TTFT and whether the
-answer holds the reference answer (contains), and how many of ``none``'s right answers the default keeps.
+Then each of ``--agent-questions`` questions is asked of an :class:`AgentMemory` (its own recall
+of ``--k``, the same system message, nothing written back), under ``"none"``, under its default
+reuse, under the default with each of ``--agent-ratios`` as its recompute ratio, and with
+``--agent-reorder`` under ``"none"`` with its recalled memories in reverse order (the yardstick: a
+change that computes everything exactly): TTFT, whether the answer holds the reference answer
+(contains), and how many of ``none``'s right answers each arm keeps.
+
+``--auto-shifts`` makes ``reuse="auto"`` shift long memories on every model (the measurement
+``EngineSettings.auto_shifts`` is chosen by); without it each model's default is measured.
 
 TTFT: medians of ``--repeats`` calls per question (prompt prefixes forgotten before each, so no
 call reuses the previous one's prompt), the median over questions reported with the ratio of
@@ -29,6 +35,7 @@ sessions in reverse order) as the yardstick, and whether the greedy answer is th
 Data is read from ../shared/data/locomo (CC BY-NC 4.0), never copied.
 
     python benchmarks/long_memory.py [--models smollm2,gemma-3-270m] [--questions 12] [--repeats 3]
+        [--agent-questions N] [--agent-ratios 0.25,0.5] [--agent-reorder]
 
 Prints a table and writes ``benchmarks/results/long_memory.json``.
 """
@@ -44,6 +51,7 @@ import statistics
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -89,12 +97,13 @@ def ttft(engine: KVShiftEngine, messages, memories, namespace: str, reuse: str |
 
 
 def run_model(name: str, args, embedder: MiniLMEmbedder) -> dict:
-    engine = KVShiftEngine.from_pretrained(MODELS[name])
+    engine = KVShiftEngine.from_pretrained(MODELS[name], auto_shifts=True if args.auto_shifts else None)
     samples = {s["sample_id"]: s for s in json.loads((locomo_dir() / "locomo10.json").read_text())}
     asked = questions(args.questions, args.seed)
+    asked_of_agents = questions(args.agent_questions or args.questions, args.seed)
     with tempfile.TemporaryDirectory() as folder:
         store = MemoryStore(folder, embedder=embedder, index_url=":memory:")
-        for sample_id in sorted({qa["sample_id"] for qa in asked}):
+        for sample_id in sorted({qa["sample_id"] for qa in asked + asked_of_agents}):
             for text in session_memories(samples[sample_id]):  # one at a time: together they pass the context window
                 engine.warm([store.add(text, tenant=sample_id)], namespace=sample_id, lead_fragments=False)
         rows = []
@@ -128,6 +137,7 @@ def run_model(name: str, args, embedder: MiniLMEmbedder) -> dict:
                 scored = engine.score(
                     messages, memories, continuation, reuse=reuse, return_distributions=True, namespace=user
                 )
+                assert full.distributions is not None and scored.distributions is not None
                 kl, top1 = kl_and_top1(full.distributions, scored.distributions)
                 row[f"{condition}_kl"], row[f"{condition}_top1"] = kl, top1
             times: dict[str, list[float]] = {c: [] for c in TIMED if c != "exact prefix"}
@@ -164,20 +174,42 @@ def run_model(name: str, args, embedder: MiniLMEmbedder) -> dict:
             )
             engine.clear_cache(prefixes=True, fragments=False)
             scored = engine.score(messages, recalled, continuation, return_distributions=True, namespace=user)
+            assert full.distributions is not None and scored.distributions is not None
             row["exact_kl"], row["exact_top1"] = kl_and_top1(full.distributions, scored.distributions)
             row["ttft_s"]["exact prefix"] = statistics.median(
                 ttft(engine, messages, recalled, user, None, False)[0] for _ in range(args.repeats)
             )
-        agent_rows = [ask_agents(engine, store, qa, index, args) for index, qa in enumerate(asked)]
+        agent_rows = [ask_agents(engine, store, qa, index, args) for index, qa in enumerate(asked_of_agents)]
         store.close()
-    return {**summarise(name, rows), "agent": summarise_agents(agent_rows)}
+    engine_summary = summarise(name, rows) if rows else {"model": name, "questions": 0}
+    return {**engine_summary, "agent": summarise_agents(agent_rows)}
+
+
+class _ReorderedAgent(AgentMemory):
+    """The agent with its recalled memories in reverse order (the reorder yardstick)."""
+
+    def _recall(self, message: str, exclude: set[tuple[str, int]]) -> list[Any]:
+        return super()._recall(message, exclude)[::-1]
+
+
+def agent_arms(args) -> list[tuple[str, str, float | None, type[AgentMemory]]]:
+    """(arm, reuse, recompute ratio, agent class) for each arm asked; ``none`` first."""
+    default = AgentSettings().reuse
+    arms: list[tuple[str, str, float | None, type[AgentMemory]]] = [
+        ("none", "none", None, AgentMemory),
+        ("default", default, None, AgentMemory),
+    ]
+    arms += [(f"ratio {r}", default, float(r), AgentMemory) for r in args.agent_ratios.split(",") if r]
+    if args.agent_reorder:
+        arms.append(("reorder", "none", None, _ReorderedAgent))
+    return arms
 
 
 def ask_agents(engine: KVShiftEngine, store: MemoryStore, qa: dict, index: int, args) -> dict:
-    """The question asked of an :class:`AgentMemory` under its default reuse and under ``"none"``,
-    each in a new session (recall, window and write-back as a user gets them; nothing written back)."""
+    """The question asked of an :class:`AgentMemory` in each arm, each in a new session (recall,
+    window and write-back as a user gets them; nothing written back)."""
     row: dict = {"question": qa["question"], "answer": qa["answer"]}
-    for condition, reuse in (("none", "none"), ("default", AgentSettings().reuse)):
+    for condition, reuse, ratio, agent_class in agent_arms(args):
         engine.clear_cache(prefixes=True, fragments=False)
         settings = AgentSettings(
             system_prompt=SYSTEM_PROMPT,
@@ -185,10 +217,11 @@ def ask_agents(engine: KVShiftEngine, store: MemoryStore, qa: dict, index: int, 
             window_tokens=4096,
             max_new_tokens=ANSWER_TOKENS,
             reuse=reuse,
+            recompute_ratio=ratio,
             write_back=False,
             resume=False,
         )
-        agent = AgentMemory(
+        agent = agent_class(
             engine, store, user_id=qa["sample_id"], session_id=f"{condition}-{index}", settings=settings
         )
         reply = agent.chat(qa["question"])
@@ -199,25 +232,23 @@ def ask_agents(engine: KVShiftEngine, store: MemoryStore, qa: dict, index: int, 
             "recalled": len(reply.recalled),
             "memory_reuse": reply.stats.memory_reuse,
         }
-    print(
-        f"  agent q{index:02d} recalled {row['default']['recalled']}: none {row['none']['ttft_s'] * 1000:6.0f}ms "
-        f"default {row['default']['ttft_s'] * 1000:6.0f}ms {row['default']['memory_reuse']}",
-        flush=True,
-    )
+    timings = " ".join(f"{arm} {row[arm]['ttft_s'] * 1000:5.0f}ms" for arm, *_ in agent_arms(args))
+    print(f"  agent q{index:02d} recalled {row['default']['recalled']}: {timings} {row['default']['memory_reuse']}")
     return row
 
 
 def summarise_agents(rows: list[dict]) -> dict:
-    none_ttft = statistics.median(r["none"]["ttft_s"] for r in rows)
-    default_ttft = statistics.median(r["default"]["ttft_s"] for r in rows)
+    arms = [arm for arm in rows[0] if isinstance(rows[0][arm], dict)]
+    ttft = {arm: statistics.median(r[arm]["ttft_s"] for r in rows) for arm in arms}
     none_right = [r for r in rows if r["none"]["right"]]
     return {
-        "ttft_s_median": {"none": none_ttft, "default": default_ttft},
-        "speedup_vs_none": none_ttft / default_ttft,
+        "questions": len(rows),
+        "ttft_s_median": ttft,
+        "speedup_vs_none": {arm: ttft["none"] / ttft[arm] for arm in arms},
         "none_right": len(none_right),
-        "default_keeps": sum(r["default"]["right"] for r in none_right),
-        "default_right": sum(r["default"]["right"] for r in rows),
-        "same_answer": sum(r["default"]["text"] == r["none"]["text"] for r in rows),
+        "keeps": {arm: sum(r[arm]["right"] for r in none_right) for arm in arms},
+        "right": {arm: sum(r[arm]["right"] for r in rows) for arm in arms},
+        "same_answer": {arm: sum(r[arm]["text"] == r["none"]["text"] for r in rows) for arm in arms},
         "rows": rows,
     }
 
@@ -242,6 +273,25 @@ def summarise(name: str, rows: list[dict]) -> dict:
 
 
 def print_table(results: list[dict]) -> None:
+    engine_results = [s for s in results if s["questions"]]
+    if engine_results:
+        print_engine_table(engine_results)
+    print()
+    print(
+        f"{'AgentMemory':<14} {'arm':<10} {'questions':>9} {'TTFT':>10} {'speedup':>8} {'right':>6} "
+        f"{'kept of none right':>18} {'same answer':>11}"
+    )
+    for s in results:
+        a = s["agent"]
+        for arm, ttft in a["ttft_s_median"].items():
+            print(
+                f"{s['model']:<14} {arm:<10} {a['questions']:>9} {ttft * 1000:>7.0f} ms "
+                f"{a['speedup_vs_none'][arm]:>7.1f}x {a['right'][arm]:>6} "
+                f"{a['keeps'][arm]:>11}/{a['none_right']:<6} {a['same_answer'][arm]:>11}"
+            )
+
+
+def print_engine_table(results: list[dict]) -> None:
     print()
     print(f"{'model':<14} {'memory tok':>10} " + " ".join(f"{c:>16}" for c in TIMED))
     for s in results:
@@ -258,20 +308,20 @@ def print_table(results: list[dict]) -> None:
             f"{s['top1']['default']:>9.3f} {s['top1']['exact']:>8.3f} {s['greedy_match']:>5}/{s['questions']:<2} "
             f"{s['none_right']:>10} {s['default_keeps']:>5}"
         )
-    print()
-    print(f"{'AgentMemory':<14} {'none':>10} {'default':>10} {'speedup':>8} {'none right':>10} {'kept':>5} {'same':>5}")
-    for s in results:
-        a, ttft = s["agent"], s["agent"]["ttft_s_median"]
-        print(
-            f"{s['model']:<14} {ttft['none'] * 1000:>7.0f} ms {ttft['default'] * 1000:>7.0f} ms "
-            f"{a['speedup_vs_none']:>7.1f}x {a['none_right']:>10} {a['default_keeps']:>5} {a['same_answer']:>5}"
-        )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", default="smollm2,gemma-3-270m")
     parser.add_argument("--questions", type=int, default=12)
+    parser.add_argument(
+        "--agent-questions", type=int, default=0, help="questions asked of the agents (default: --questions)"
+    )
+    parser.add_argument("--agent-ratios", default="", help="recompute ratios of extra default arms, e.g. 0.25,0.5")
+    parser.add_argument("--agent-reorder", action="store_true", help="add the reorder arm (none, reversed recall)")
+    parser.add_argument(
+        "--auto-shifts", action="store_true", help="auto shifts memories on every model (how auto_shifts is chosen)"
+    )
     parser.add_argument("--k", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
@@ -285,6 +335,7 @@ def main() -> None:
     write_report(
         Path(args.output),
         {
+            "command": "python benchmarks/long_memory.py " + " ".join(sys.argv[1:]),
             "args": vars(args),
             "machine": {"cpu_threads": args.threads, "platform": platform.platform()},
             "results": results,
