@@ -26,6 +26,12 @@ prompt text; ``docs/how-it-works.md``): :func:`render_marker`, :func:`render_mem
 :func:`parse_markers`, :func:`resolve_markers`, :func:`strip_markers`; :func:`in_document_order`
 (a retriever's hits with a document's parts in order).
 
+Chat turns beyond text (:mod:`kvshift_memory.chat_turns`): tool calls in one layout the model
+writes under a grammar (:func:`tools_instructions`, :func:`tool_call_grammar`, :func:`closed_schema`,
+:func:`format_tool_calls`, :func:`parse_tool_calls`, :func:`tool_response`), structured answers
+(:func:`schema_instructions`, :func:`with_system_text`, :data:`CONSTRAINED_REPETITION_PENALTY`) and reply token ids
+(:func:`plausible_reply_ids`).
+
 The engine and store an adapter is given are typed by :class:`~kvshift_memory.protocols.Engine`
 and :class:`~kvshift_memory.protocols.Store`.
 """
@@ -34,6 +40,18 @@ from __future__ import annotations
 
 from .agent.recall import archive, archived_text, forget_closest, last_sentence, recall
 from .agent.writeback import FEATURES, Decision, WriteBackModel, explicit_request, turn_features
+from .chat_turns import (
+    CONSTRAINED_REPETITION_PENALTY,
+    closed_schema,
+    format_tool_calls,
+    parse_tool_calls,
+    plausible_reply_ids,
+    schema_instructions,
+    tool_call_grammar,
+    tool_response,
+    tools_instructions,
+    with_system_text,
+)
 from .markers import (
     MarkedSpan,
     marked_user_message,
@@ -49,6 +67,7 @@ from .store.documents import in_document_order
 from .store.items import Item, delete_item, get_item, item_of, item_tenants, list_items, put_item
 
 __all__ = [
+    "CONSTRAINED_REPETITION_PENALTY",
     "FEATURES",
     "Decision",
     "Engine",
@@ -58,10 +77,12 @@ __all__ = [
     "WriteBackModel",
     "archive",
     "archived_text",
+    "closed_schema",
     "context_window",
     "delete_item",
     "explicit_request",
     "forget_closest",
+    "format_tool_calls",
     "get_item",
     "in_document_order",
     "item_of",
@@ -70,11 +91,18 @@ __all__ = [
     "list_items",
     "marked_user_message",
     "parse_markers",
+    "parse_tool_calls",
+    "plausible_reply_ids",
     "put_item",
     "recall",
     "render_marker",
     "render_memories",
     "resolve_markers",
+    "schema_instructions",
     "strip_markers",
+    "tool_call_grammar",
+    "tool_response",
+    "tools_instructions",
     "turn_features",
+    "with_system_text",
 ]

@@ -43,6 +43,7 @@ def test_all_is_pinned():
 
 
 ADAPTERS = {
+    "CONSTRAINED_REPETITION_PENALTY",
     "put_item",
     "list_items",
     "item_of",
@@ -58,19 +59,28 @@ ADAPTERS = {
     "WriteBackModel",
     "archive",
     "archived_text",
+    "closed_schema",
     "context_window",
     "explicit_request",
     "forget_closest",
+    "format_tool_calls",
     "in_document_order",
     "last_sentence",
     "marked_user_message",
     "parse_markers",
+    "parse_tool_calls",
+    "plausible_reply_ids",
     "recall",
     "render_marker",
     "render_memories",
     "resolve_markers",
+    "schema_instructions",
     "strip_markers",
+    "tool_call_grammar",
+    "tool_response",
+    "tools_instructions",
     "turn_features",
+    "with_system_text",
 }
 
 
@@ -125,13 +135,14 @@ def test_every_data_file_in_the_package_ships_in_wheels():
 
 
 def test_the_store_side_never_loads_torch():
-    """A process that only stores and searches memories must not pay for the model stack."""
+    """A process that only stores and searches memories (directly or through the adapters, as a
+    worker writing items does) must not pay for the model stack."""
     import subprocess
     import sys
 
     code = (
         "import sys; from kvshift_memory import MemoryStore, MemoryRecord; import kvshift_memory.store; "
-        "import kvshift_memory.blobs; print('torch' in sys.modules)"
+        "import kvshift_memory.blobs; import kvshift_memory.adapters; print('torch' in sys.modules)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"

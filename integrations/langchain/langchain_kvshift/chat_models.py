@@ -40,7 +40,15 @@ from langchain_core.utils.pydantic import is_basemodel_subclass
 from pydantic import BaseModel, ConfigDict, Field
 
 from kvshift_memory import GenerationResult, Grammar, InvalidInputError, KVShiftEngine, MemoryStore
-from kvshift_memory.adapters import context_window, marked_user_message, strip_markers
+from kvshift_memory.adapters import (
+    CONSTRAINED_REPETITION_PENALTY,
+    context_window,
+    marked_user_message,
+    plausible_reply_ids,
+    schema_instructions,
+    strip_markers,
+    with_system_text,
+)
 from langchain_kvshift.tool_calls import (
     closed_schema,
     format_tool_calls,
@@ -67,14 +75,12 @@ _CALL_OPTIONS = {
     "max_tokens": "max_new_tokens",
     "temperature": "temperature",
     "top_p": "top_p",
+    "top_k": "top_k",
     "seed": "seed",
     "reuse": "reuse",
     "recompute_ratio": "recompute_ratio",
     "repetition_penalty": "repetition_penalty",
 }
-# under a grammar a greedy loop cannot end by itself (inside a JSON string the closing quote loses
-# to the loop, and a cut answer does not parse): structured answers and tool calls penalise repeats
-_CONSTRAINED_REPETITION_PENALTY = 1.1
 # content blocks of an AI message that repeat its tool_calls (Anthropic's and LangChain's own)
 _CALL_BLOCKS = ("tool_use", "tool_call")
 # per-call keyword arguments that shape the prompt and the grammar (bind_tools, with_structured_output)
@@ -140,7 +146,7 @@ def to_engine_messages(
             content = "\n".join(part for part in (strip_markers(text), format_tool_calls(calls)) if part)
             turn: dict[str, Any] = {"role": "assistant", "content": content}
             reply_ids = message.response_metadata.get("token_ids") if isinstance(message, AIMessage) else None
-            if not calls and _plausible_ids(reply_ids, content):
+            if not calls and plausible_reply_ids(reply_ids, content):
                 # the ids the model generated: the engine takes them when they read back as the text
                 # (a reply the tokenizer would split differently is then still this prompt's prefix);
                 # anything else there is ignored, never an error that loses the turn
