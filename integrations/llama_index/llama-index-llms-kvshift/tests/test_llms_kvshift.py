@@ -131,5 +131,21 @@ def test_async_calls_fire_their_callback_events_once():
 
 
 def test_roles_the_engine_cannot_read_are_refused():
-    with pytest.raises(InvalidInputError, match="tool"):
-        KVShiftLLM().chat([ChatMessage(role="tool", content="42")])
+    for role in ("function", "chatbot"):
+        with pytest.raises(InvalidInputError, match=role):
+            KVShiftLLM().chat([ChatMessage(role=role, content="42")])
+
+
+def test_a_model_device_and_dtype_are_picked_without_building_an_engine():
+    from kvshift_memory import KVShiftEngine
+
+    llm = KVShiftLLM(device="cpu", dtype="float32", max_tokens=8)
+    assert llm.engine is KVShiftEngine.shared(device="cpu", dtype="float32")
+    question = "Name a city in Portugal."
+    greedy = llm.complete(question).text
+    assert (
+        KVShiftLLM(device="cpu", dtype="float32", max_tokens=8, temperature=1.5, top_k=1).complete(question).text
+        == greedy
+    )
+    with pytest.raises(InvalidInputError, match="cuda"):
+        KVShiftLLM(device="cuda:99").complete(question)
