@@ -544,3 +544,23 @@ def test_memories_the_blend_would_recompute_whole_take_one_exact_pass(tiny_engin
     # past the minimum the blend places fragments as before
     shifted = tiny_engine.score("q", MEMORIES, "Lisbon in May", reuse="blend", recompute_ratio=0.0).stats
     assert shifted.fragments_hit == len(MEMORIES) and shifted.fragments_recomputed == 0
+
+
+def _holds(ids: list[int], part: list[int]) -> bool:
+    return any(ids[i : i + len(part)] == part for i in range(len(ids) - len(part) + 1))
+
+
+def test_a_reply_sent_back_as_text_is_read_as_the_ids_the_model_wrote(tiny_engine, tokenizer):
+    """A framework that keeps only the reply's text (LlamaIndex's memory, a chat store) still
+    reuses all of it: the engine reads its own reply as the ids it generated, in its namespace."""
+    question = [{"role": "user", "content": "Tell me about Lisbon."}]
+    first = tiny_engine.generate(question, max_new_tokens=32, namespace="alice", reuse="prefix")
+    retokenised = tokenizer(first.text, add_special_tokens=False)["input_ids"]
+    assert retokenised != first.token_ids  # the random model wrote what the tokenizer splits otherwise
+    following = [*question, {"role": "assistant", "content": first.text}, {"role": "user", "content": "And?"}]
+    ids = tiny_engine.plan(following, namespace="alice").layout.token_ids.tolist()
+    assert _holds(ids, first.token_ids)
+    second = tiny_engine.generate(following, max_new_tokens=1, namespace="alice", reuse="prefix")
+    assert second.stats.reused_tokens >= first.stats.prompt_tokens + len(first.token_ids) - 1
+    # another tenant sending the same text gets the tokenizer's ids: nothing of alice's shows
+    assert _holds(tiny_engine.plan(following, namespace="bob").layout.token_ids.tolist(), retokenised)

@@ -176,6 +176,8 @@ def generate_steps(
         stats.decode_tokens_per_s = (len(generated) - 1) / elapsed if len(generated) > 1 and elapsed > 0 else 0.0
         stats.total_s = time.perf_counter() - started
         result = GenerationResult(text=text, token_ids=generated, stats=stats, finish_reason=finish)
+        # kept even when a stop string cut the text: ids that do not read back as it are never used
+        engine.tokens.remember_reply(text, generated, namespace=layout.namespace)
         # the answer is out: the memories that missed get their fragments for the next call
         stats.encoded_tokens = engine.encode_missed(layout, prepared.unencoded)
         yield result

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import os
 import threading
 import time
@@ -97,7 +98,8 @@ class KVShiftEngine:
         assert isinstance(embeddings.weight, torch.Tensor)
         self.device: torch.device = embeddings.weight.device
         self.tokenizer = tokenizer
-        self._tokens = TokenMemo(tokenizer)
+        #: the tokenisation memo (per namespace), which also reads this engine's replies back as their ids
+        self.tokens = TokenMemo(tokenizer)
         self.fingerprint = fingerprint or model_fingerprint(model, tokenizer)
         #: how many linear layers were packed for oneDNN (0: left as loaded)
         self.packed_layers = pack_linear_layers(self.model) if self.settings.pack_weights else 0
@@ -130,7 +132,7 @@ class KVShiftEngine:
             self.settings.chunk_tokens,
             self.costs,
         )
-        self._planner = Planner(self._tokens, self.settings, self.max_positions, self.position_scheme)
+        self._planner = Planner(self.tokens, self.settings, self.max_positions, self.position_scheme)
         self._grammar_tokenizer: Any = None
         self._grammar_lock = threading.Lock()
 
@@ -187,18 +189,34 @@ class KVShiftEngine:
             return cls(loaded.model, loaded.tokenizer, fingerprint=loaded.fingerprint, settings=settings, **overrides)
 
     @classmethod
-    def shared(cls, name_or_path: str | os.PathLike | None = None) -> KVShiftEngine:
-        """The process's engine for a model (default settings), loaded by the first call.
+    def shared(
+        cls,
+        name_or_path: str | os.PathLike | None = None,
+        *,
+        device: str | None = None,
+        dtype: str = "auto",
+        **kwargs: Any,
+    ) -> KVShiftEngine:
+        """The process's engine for a model, device, dtype and loading options, loaded by the first call.
 
-        Framework adapters build many model objects; they must share one engine per model, which
-        holds the weights and the K/V worth reusing.
+        Framework adapters build many model objects; they must share one engine per model and
+        device, which holds the weights and the K/V worth reusing.
 
+        :param kwargs: as :meth:`from_pretrained` takes them (settings by name, transformers'
+            options); plain values, since they name the engine.
+        :raises InvalidInputError: options that cannot name an engine (not JSON values), and as
+            :meth:`from_pretrained`.
         :raises ModelNotFoundError: ``ModelLoadError``: as :meth:`from_pretrained`.
         """
-        key = str(name_or_path) if name_or_path is not None else ""
+        try:
+            key = json.dumps(
+                [None if name_or_path is None else str(name_or_path), device, dtype, kwargs], sort_keys=True
+            )
+        except (TypeError, ValueError) as exc:
+            raise InvalidInputError(f"a shared engine's options are plain JSON values: {exc}") from exc
         with _SHARED_LOCK:
             if key not in _SHARED:
-                _SHARED[key] = cls.from_pretrained(name_or_path)
+                _SHARED[key] = cls.from_pretrained(name_or_path, device=device, dtype=dtype, **kwargs)
             return _SHARED[key]
 
     # ------------------------------------------------------------------ public API
@@ -374,7 +392,7 @@ class KVShiftEngine:
         started = time.perf_counter()
         continuation = inputs.check_continuation(continuation)
         if isinstance(continuation, str):
-            cont_ids = list(self._tokens.encode(continuation, namespace=inputs.check_namespace(namespace)))
+            cont_ids = list(self.tokens.encode(continuation, namespace=inputs.check_namespace(namespace)))
         else:
             cont_ids = continuation
             if max(cont_ids) >= self.vocab_size:
@@ -486,7 +504,7 @@ class KVShiftEngine:
     def count_tokens(self, text: str, *, namespace: str | None = None) -> int:
         """Tokens ``text`` takes as message content (``namespace``: as in :meth:`generate`)."""
         text = inputs.check_text(text, "text", allow_empty=True)
-        return len(self._tokens.encode(text, namespace=inputs.check_namespace(namespace)))
+        return len(self.tokens.encode(text, namespace=inputs.check_namespace(namespace)))
 
     # ------------------------------------------------------------------ planning API (tests, benchmarks)
 
@@ -677,7 +695,7 @@ class KVShiftEngine:
         """
         entry, cached = self.prefix_cache.lookup(layout.namespace, turn)
         said = common_prefix(
-            torch.tensor(span.token_ids), torch.tensor(self._tokens.encode(span.text, namespace=layout.namespace))
+            torch.tensor(span.token_ids), torch.tensor(self.tokens.encode(span.text, namespace=layout.namespace))
         )
         if entry is None or said == 0 or cached < said:
             return None

@@ -158,8 +158,14 @@ class TokenMemo:
     Texts are kept per namespace (the tenant): a text one tenant sent never makes another
     tenant's call faster, so timing cannot tell one what another typed.
 
+    It also keeps the ids of the replies the engine generated (:meth:`remember_reply`): a reply
+    that comes back as text in the next turn's messages is read as the ids the model wrote, which
+    the cached K/V holds, where the tokenizer may split the same text otherwise. A framework that
+    carries only the text (LlamaIndex's memory, a chat store) still reuses the whole reply.
+
     :param tokenizer: a transformers tokenizer.
-    :param capacity_ids: the most token ids kept over all texts (least recently used go first).
+    :param capacity_ids: the most token ids kept over all texts, and again over all replies
+        (least recently used go first).
     """
 
     def __init__(self, tokenizer: Any, capacity_ids: int = 1 << 18) -> None:
@@ -168,7 +174,9 @@ class TokenMemo:
         self.style: TemplateStyle = template_style(tokenizer)
         self.capacity_ids = capacity_ids
         self._ids: OrderedDict[tuple[str, str, bool], tuple[int, ...]] = OrderedDict()
+        self._replies: OrderedDict[tuple[str, str], tuple[int, ...]] = OrderedDict()
         self._held = 0
+        self._replies_held = 0
         self._lock = threading.Lock()
 
     def scoped(self, namespace: str) -> ScopedTokens:
@@ -194,6 +202,27 @@ class TokenMemo:
                     self._held -= len(dropped)
         return ids
 
+    def remember_reply(self, text: str, ids: Sequence[int], *, namespace: str = "") -> None:
+        """Keep the ids the model generated for the reply ``text`` (in ``namespace`` only)."""
+        if not text or not ids or len(ids) > self.capacity_ids:
+            return
+        key = (namespace, text)
+        with self._lock:
+            dropped = self._replies.pop(key, ())
+            self._replies[key] = tuple(ids)
+            self._replies_held += len(ids) - len(dropped)
+            while self._replies_held > self.capacity_ids:
+                _, dropped = self._replies.popitem(last=False)
+                self._replies_held -= len(dropped)
+
+    def reply_ids(self, text: str, *, namespace: str = "") -> tuple[int, ...] | None:
+        """The ids the model generated for the reply ``text`` in ``namespace``, if kept."""
+        with self._lock:
+            ids = self._replies.get((namespace, text))
+            if ids is not None:
+                self._replies.move_to_end((namespace, text))
+            return ids
+
 
 @dataclass(frozen=True)
 class ScopedTokens:
@@ -212,6 +241,9 @@ class ScopedTokens:
 
     def encode(self, text: str, *, split_special: bool = True) -> tuple[int, ...]:
         return self.memo.encode(text, split_special=split_special, namespace=self.namespace)
+
+    def reply_ids(self, text: str) -> tuple[int, ...] | None:
+        return self.memo.reply_ids(text, namespace=self.namespace)
 
 
 def template_style(tokenizer: Any) -> TemplateStyle:
@@ -306,6 +338,8 @@ def build_layout(
                 content = "".join(pieces) + sentinel(content[done:])
         else:
             reply_ids = message.get("token_ids")
+            if reply_ids is None and message["role"] == "assistant":
+                reply_ids = tokens.reply_ids(content)  # what the model wrote, when this engine wrote it
             if reply_ids is not None and not _usable_reply_ids(tokens.tokenizer, reply_ids, content):
                 reply_ids = None  # tokenise the text instead
             content = sentinel(content, ids=reply_ids)
