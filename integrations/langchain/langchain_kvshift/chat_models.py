@@ -155,34 +155,22 @@ def to_engine_messages(
     return ([{"role": "system", "content": "\n\n".join(system)}] if system else []) + turns
 
 
-def _plausible_ids(ids: Any, content: str) -> bool:
-    """Whether ``ids`` could be a reply's token ids: non-negative ints, no more than its text could hold."""
-    return (
-        isinstance(ids, list) and 0 < len(ids) <= 4 * len(content) + 16 and all(type(i) is int and i >= 0 for i in ids)
-    )
-
-
-def _with_system_text(messages: list[dict[str, Any]], text: str) -> list[dict[str, Any]]:
-    """``messages`` with ``text`` after the system message's (a system message of its own when none)."""
-    if messages and messages[0]["role"] == "system":
-        return [{**messages[0], "content": f"{messages[0]['content']}\n\n{text}"}, *messages[1:]]
-    return [{"role": "system", "content": text}, *messages]
-
-
-def _schema_instructions(schema: dict[str, Any]) -> str:
-    return f"Answer with one JSON object that follows this JSON schema:\n{json.dumps(schema, ensure_ascii=False)}"
-
-
 class ChatKVShift(BaseChatModel):
     """A local transformers chat model that prefills only what it has not read before.
 
     Constructing one loads nothing: the engine loads on the first call (or is given).
 
-    :param model: a Hugging Face id (from the local cache) or folder; ``None`` for the bundled
-        SmolLM2-135M-Instruct.
+    :param model: a shipped model's name (``"gemma-3-270m"``), a Hugging Face id (from the local
+        cache) or folder; ``None`` for the bundled SmolLM2-135M-Instruct.
+    :param device: ``"cpu"``, ``"cuda"``, ``"cuda:1"``, ``"mps"``; ``None``: the CPU.
+    :param dtype: ``"auto"`` (the checkpoint's own), ``"float32"``, ``"bfloat16"`` or ``"float16"``.
+    :param model_kwargs: more of :meth:`KVShiftEngine.from_pretrained`'s options (engine settings
+        by name, transformers' loading options), as plain values. The process shares one engine
+        per model, device, dtype and options (:meth:`KVShiftEngine.shared`), loaded on first use.
     :param engine: an engine to use instead of the process's shared one for ``model``.
     :param max_tokens: most tokens generated per call.
-    :param temperature: 0 for greedy decoding.
+    :param temperature: 0 for greedy decoding; ``top_p``, ``top_k`` (0: off) and ``seed`` shape
+        sampling above it.
     :param stop: strings that end a reply (not included).
     :param reuse: ``"auto"``, ``"none"``, ``"prefix"``, ``"blend"`` or ``None`` (the engine's default, ``"auto"``).
     :param repetition_penalty: above 1, tokens the answer already holds are made less likely;
@@ -205,10 +193,14 @@ class ChatKVShift(BaseChatModel):
     model_config = ConfigDict(arbitrary_types_allowed=True, populate_by_name=True)
 
     model: str | None = None
+    device: str | None = None
+    dtype: str = "auto"
+    model_kwargs: dict[str, Any] = Field(default_factory=dict)
     engine: KVShiftEngine | None = Field(default=None, exclude=True)
     max_tokens: int = 256
     temperature: float = 0.0
     top_p: float = 1.0
+    top_k: int = 0
     seed: int | None = None
     stop: list[str] | None = None
     reuse: str | None = None
@@ -233,9 +225,13 @@ class ChatKVShift(BaseChatModel):
         # hands one user's answer to another or a call with other settings
         return {
             "model_name": self.model_name,
+            "device": self.device,
+            "dtype": self.dtype,
+            "model_kwargs": self.model_kwargs,
             "max_tokens": self.max_tokens,
             "temperature": self.temperature,
             "top_p": self.top_p,
+            "top_k": self.top_k,
             "seed": self.seed,
             "stop": self.stop,
             "reuse": self.reuse,
@@ -286,7 +282,7 @@ class ChatKVShift(BaseChatModel):
         bound = [convert_to_openai_tool(tool) for tool in tools or ()]
         prompt = self._engine_messages(messages)
         if bound:
-            prompt = _with_system_text(prompt, tools_instructions(bound))
+            prompt = with_system_text(prompt, tools_instructions(bound))
         return self._engine().plan(prompt, reuse="none", namespace=self.user_id).layout.length
 
     def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> LangSmithParams:
@@ -306,7 +302,9 @@ class ChatKVShift(BaseChatModel):
         return to_engine_messages(messages, who["store"], user_id=who["user_id"], session_id=who["session_id"])
 
     def _engine(self) -> KVShiftEngine:
-        return self.engine if self.engine is not None else KVShiftEngine.shared(self.model)
+        if self.engine is not None:
+            return self.engine
+        return KVShiftEngine.shared(self.model, device=self.device, dtype=self.dtype, **self.model_kwargs)
 
     def _options(self, stop: list[str] | None, kwargs: dict[str, Any], constrained: bool = False) -> dict[str, Any]:
         model = kwargs.pop("model", None)
@@ -325,7 +323,7 @@ class ChatKVShift(BaseChatModel):
         options["namespace"] = kwargs.get("user_id", self.user_id)
         options["kv_store"] = self.store  # the thread's K/V kept there: another worker or process continues from it
         if options["repetition_penalty"] is None:
-            options["repetition_penalty"] = _CONSTRAINED_REPETITION_PENALTY if constrained else 1.0
+            options["repetition_penalty"] = CONSTRAINED_REPETITION_PENALTY if constrained else 1.0
         return options
 
     def _prompt(
@@ -355,7 +353,7 @@ class ChatKVShift(BaseChatModel):
         if choice is not None and not isinstance(choice, str):
             raise InvalidInputError(f"tool_choice is a tool's name, 'auto', 'any' or 'none', not {choice!r}")
         grammar = tool_call_grammar(tools, choice, closed=strict is not False)
-        return _with_system_text(prompt, tools_instructions(tools)), grammar, grammar is not None
+        return with_system_text(prompt, tools_instructions(tools)), grammar, grammar is not None
 
     def _message(self, result: GenerationResult | None, tools: bool = False) -> AIMessage:
         assert result is not None  # a generation, or a stream once exhausted, has its result
@@ -537,7 +535,7 @@ def _response_format(
         schema = response_format.get("schema") or response_format.get("json_schema", {}).get("schema")
         if isinstance(schema, dict):
             grammar = Grammar.json_schema(schema if response_format.get("strict") is False else closed_schema(schema))
-            return _with_system_text(prompt, _schema_instructions(schema)), grammar, False
+            return with_system_text(prompt, schema_instructions(schema)), grammar, False
     raise InvalidInputError(
         "response_format is {'type': 'json_schema', 'schema': {...}} or {'type': 'json_object'}, "
         f"not {response_format!r}"

@@ -8,6 +8,7 @@ import pytest
 from langchain_core.messages import AIMessage, HumanMessage, SystemMessage
 from langchain_tests.integration_tests import ChatModelIntegrationTests
 
+from kvshift_memory import InvalidInputError
 from langchain_kvshift import ChatKVShift
 
 SYSTEM = (
@@ -176,3 +177,22 @@ def test_a_langgraph_thread_continued_after_a_restart_restores_its_kv_from_the_s
     stats, usage = reply.response_metadata["reuse_stats"], reply.usage_metadata
     assert len(state["messages"]) == 6 and stats["restored_tokens"] > 0
     assert usage["input_token_details"]["cache_read"] >= 0.7 * usage["input_tokens"], usage
+
+
+def test_a_model_device_and_dtype_are_picked_without_building_an_engine():
+    from kvshift_memory import KVShiftEngine
+
+    one = ChatKVShift(device="cpu", dtype="float32", max_tokens=8)
+    other = ChatKVShift(device="cpu", dtype="float32", max_tokens=4, top_k=1)
+    assert one._engine() is other._engine() is KVShiftEngine.shared(device="cpu", dtype="float32")
+    tuned = ChatKVShift(device="cpu", dtype="float32", model_kwargs={"recompute_ratio": 0.25})
+    assert tuned._engine() is not one._engine() and tuned._engine().settings.recompute_ratio == 0.25
+    # top_k=1 samples the most likely token: the greedy answer, at any temperature
+    question = "Name a city in Portugal."
+    greedy = one.invoke(question).content
+    assert ChatKVShift(temperature=1.5, top_k=1, seed=3, max_tokens=8).invoke(question).content == greedy
+    assert ChatKVShift(temperature=1.5, seed=3, max_tokens=8).invoke(question, top_k=1).content == greedy
+    with pytest.raises(InvalidInputError, match="cuda"):
+        ChatKVShift(device="cuda:99").invoke(question)
+    with pytest.raises(InvalidInputError, match="plain JSON"):
+        ChatKVShift(model_kwargs={"pack_weights": object()}).invoke(question)
