@@ -177,10 +177,15 @@ def test_profile_is_known_without_loading_weights():
 
 
 def test_settings_round_trip_through_langchain_serialisation():
-    from langchain_core.load import dumpd, load
+    """The call docs/integrations.md shows, run as written there."""
+    import re
+    from pathlib import Path
 
-    llm = ChatKVShift(max_tokens=12, temperature=0.3, seed=4, user_id="alice", stop=["\n"])
-    loaded = load(dumpd(llm), valid_namespaces=["langchain_kvshift"], allowed_objects=[ChatKVShift])
+    docs = (Path(__file__).parents[4] / "docs" / "integrations.md").read_text(encoding="utf-8")
+    [block] = [b for b in re.findall(r"^```python\n(.*?)^```", docs, flags=re.S | re.M) if "dumpd(" in b]
+    namespace: dict = {}
+    exec(compile(block, "docs/integrations.md", "exec"), namespace)  # our own documentation, run as a user would
+    llm, loaded = namespace["llm"], namespace["loaded"]
     assert isinstance(loaded, ChatKVShift) and loaded._identifying_params == llm._identifying_params
 
 
