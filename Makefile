@@ -9,7 +9,7 @@ TORCH_PIN ?= torch==2.13.0
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: install demo lint test fresh-install bench notebooks clean
+.PHONY: install demo lint test wheels fresh-install bench notebooks clean
 
 LLAMA_LLMS := integrations/llama_index/llama-index-llms-kvshift
 LLAMA_MEMORY := integrations/llama_index/llama-index-memory-kvshift
@@ -41,9 +41,19 @@ test: lint
 	OMP_NUM_THREADS=1 $(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile
 	$(MAKE) fresh-install
 
-# a fresh venv with the CPU torch pin, `pip install .`, `kvshift models install`: the default model answers offline
-fresh-install:
-	PYTHON=$(PYTHON) TORCH_PIN=$(TORCH_PIN) .ci/fresh-install
+# the four distributions as `python -m build` makes them (wheel and sdist), checked as PyPI checks them
+DIST ?= dist
+DISTRIBUTIONS := . integrations/langchain $(LLAMA_LLMS) $(LLAMA_MEMORY)
+wheels: install
+	$(PY) -m pip install --quiet build twine
+	rm -rf $(DIST)
+	for folder in $(DISTRIBUTIONS); do $(PY) -m build --quiet --outdir $(DIST) $$folder >/dev/null || exit 1; done
+	$(VENV)/bin/twine check --strict $(DIST)/*
+
+# a fresh venv with the CPU torch pin and the four installed by name from the wheelhouse, `kvshift
+# models install`: the default model answers offline and the README's quick starts run as written
+fresh-install: wheels
+	PYTHON=$(PYTHON) TORCH_PIN=$(TORCH_PIN) .ci/fresh-install $(DIST)
 
 bench: install
 	$(PY) benchmarks/ttft.py
