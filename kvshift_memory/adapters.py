@@ -19,7 +19,8 @@ Recall and archive:
 
 Items (a key-value store's contract over the memory store, for LangGraph's ``BaseStore``):
 :class:`Item`, :func:`put_item`, :func:`get_item`, :func:`delete_item`, :func:`item_of` (a
-search hit's item), :func:`list_items`, :func:`item_tenants`.
+search hit's item), :func:`list_items`, :func:`item_tenants`, :func:`refresh_item` (restart an
+item's time to live), :func:`sweep_items` (remove expired items).
 
 Span markers (``⟦mem:ID@VERSION⟧text⟦/mem⟧``, how a memory travels through a framework's flat
 prompt text; ``docs/how-it-works.md``): :func:`render_marker`, :func:`render_memories`, :func:`marked_user_message`,
@@ -64,7 +65,17 @@ from .markers import (
 from .protocols import Engine, Store
 from .shipped import context_window
 from .store.documents import in_document_order
-from .store.items import Item, delete_item, get_item, item_of, item_tenants, list_items, put_item
+from .store.items import (
+    Item,
+    delete_item,
+    get_item,
+    item_of,
+    item_tenants,
+    list_items,
+    put_item,
+    refresh_item,
+    sweep_items,
+)
 
 __all__ = [
     "CONSTRAINED_REPETITION_PENALTY",
@@ -95,11 +106,13 @@ __all__ = [
     "plausible_reply_ids",
     "put_item",
     "recall",
+    "refresh_item",
     "render_marker",
     "render_memories",
     "resolve_markers",
     "schema_instructions",
     "strip_markers",
+    "sweep_items",
     "tool_call_grammar",
     "tool_response",
     "tools_instructions",

@@ -198,6 +198,18 @@ def check_non_negative_int(value: Any, name: str) -> int:
     return value
 
 
+def check_ttl(ttl_s: Any) -> float | None:
+    """A time to live in seconds, or ``None`` (kept until deleted).
+
+    :raises InvalidInputError: not a positive number (below 1e11).
+    """
+    if ttl_s is None:
+        return None
+    if isinstance(ttl_s, bool) or not isinstance(ttl_s, (int, float)) or not 0 < ttl_s < 1e11:
+        raise InvalidInputError(f"ttl_s must be a positive number of seconds or None, got {ttl_s!r}")
+    return float(ttl_s)
+
+
 def check_ratio(value: Any, name: str = "recompute_ratio") -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0:
         raise InvalidInputError(f"{name} must be a number in [0, 1], got {value!r}")

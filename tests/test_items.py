@@ -9,7 +9,16 @@ from pathlib import Path
 
 import pytest
 
-from kvshift_memory.adapters import delete_item, get_item, item_of, item_tenants, list_items, put_item
+from kvshift_memory.adapters import (
+    delete_item,
+    get_item,
+    item_of,
+    item_tenants,
+    list_items,
+    put_item,
+    refresh_item,
+    sweep_items,
+)
 from kvshift_memory.exceptions import InvalidInputError
 from kvshift_memory.store import MemoryStore
 from kvshift_memory.store.layout import parse_head, split_key
@@ -194,3 +203,58 @@ def test_a_forged_item_field_never_reaches_another_tenants_row(make_store):
     store.tier.set(record_key, json.dumps(forged).encode())
     assert store.get(bob.id, tenant="bob") is None  # the row it names is not Bob's: not live
     assert item_of(store, store.search("secret", tenant="alice", k=1)[0]).value["text"] == "Alice's secret is 77."
+
+
+def test_an_items_ttl_lives_in_its_row_by_the_stores_clock(make_store, monkeypatch):
+    import json
+
+    store = make_store(embedder=HashEmbedder())
+    ahead = [0.0]
+    real_now = store.now
+    monkeypatch.setattr(store, "now", lambda: real_now() + ahead[0])
+    item = put_item(
+        store, "alice", ("m",), "trip", {"text": "Alice flies on Friday."}, "Alice flies on Friday.", ttl_s=60
+    )
+    assert item.ttl_s == 60 and item.expires_at is not None
+    assert store.get(item.memory.id, tenant="alice").expires_at is None  # the row, not the memory, expires
+    ahead[0] = 45
+    refreshed = get_item(store, "alice", ("m",), "trip", refresh=True)
+    assert refreshed is not None and refreshed.expires_at > item.expires_at
+    ahead[0] = 90
+    assert get_item(store, "alice", ("m",), "trip") is not None  # past the first expiry, within the refreshed one
+    ahead[0] = 106
+    assert get_item(store, "alice", ("m",), "trip") is None
+    assert store.get(item.memory.id, tenant="alice") is None  # its memory went with it, for every reader
+    assert store.search("Friday", tenant="alice", k=5) == []
+    assert list(list_items(store, "alice")) == []
+    assert refresh_item(store, refreshed) == refreshed  # an expired item is not revived by a refresh
+    assert not delete_item(store, "alice", ("m",), "trip")  # gone already; its row is a tombstone now
+    assert live_memories(store, "alice") == []
+    # an expiry a row carries is untrusted: a forged one is refused, never read as "never expires"
+    put_item(store, "alice", ("m",), "pin", {"text": "PIN"}, "PIN", ttl_s=60)
+    (row_key,) = [key for key in store.tier.scan("i/alice/") if b'"deleted"' not in (store.tier.get(key) or b"")]
+    good_row = store.tier.get(row_key) or b"{}"
+    for forged in ("soon", -1, True):
+        store.tier.set(row_key, json.dumps({**json.loads(good_row), "expires_at": forged}).encode())
+        assert get_item(store, "alice", ("m",), "pin") is None
+    store.tier.set(row_key, good_row)
+    assert get_item(store, "alice", ("m",), "pin") is not None
+    with pytest.raises(InvalidInputError, match="ttl_s"):
+        put_item(store, "alice", ("m",), "bad", {"text": "x"}, "x", ttl_s=0)
+
+
+def test_sweep_removes_only_expired_items_and_a_put_after_expiry_starts_over(make_store, monkeypatch):
+    store = make_store(embedder=HashEmbedder())
+    ahead = [0.0]
+    real_now = store.now
+    monkeypatch.setattr(store, "now", lambda: real_now() + ahead[0])
+    old = put_item(store, "alice", ("m",), "old", {"text": "Short lived."}, "Short lived.", ttl_s=60)
+    put_item(store, "bob", ("m",), "kept", {"text": "Bob stays."}, "Bob stays.")
+    ahead[0] = 120
+    again = put_item(store, "alice", ("m",), "old", {"text": "Short lived."}, "Short lived.")
+    assert again.memory.id != old.memory.id and again.created_at > old.created_at and again.expires_at is None
+    assert set(live_memories(store, "alice")) == {again.memory.id}  # the expired item's memory was retired
+    put_item(store, "alice", ("m",), "brief", {"text": "Brief."}, "Brief.", ttl_s=10)
+    ahead[0] = 200
+    assert sweep_items(store) == 1 and sweep_items(store) == 0
+    assert {item.key for item in list_items(store)} == {"old", "kept"}

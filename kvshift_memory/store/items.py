@@ -18,6 +18,11 @@ delete changes an item in one compare-and-set, of the row, and no reader ever se
   the grace a write in flight gets (by the tier's clock; they fence the row first, so a put
   stalled past the grace is refused and writes again).
 
+An item put with a time to live (``ttl_s``) carries its expiry in its row: past it (by the
+store's clock, :meth:`MemoryStore.now`, the one every writer shares) the item is gone for every
+read and search, and its memory with it. A read may push the expiry on (:func:`refresh_item`);
+:func:`sweep_items` (and gc) replace expired rows by tombstones and delete their memories.
+
 Memory ids are never reused, so a key put again after a delete gets a new memory.
 """
 
@@ -28,7 +33,7 @@ import json
 import math
 import uuid
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from .. import inputs
@@ -50,6 +55,8 @@ __all__ = [
     "list_items",
     "owns",
     "put_item",
+    "refresh_item",
+    "sweep_items",
 ]
 
 #: bound on an item's value as JSON (a value is read back whole on every get)
@@ -70,6 +77,9 @@ class Item:
     created_at: float
     updated_at: float
     memory: MemoryRecord
+    #: when the item expires (store clock, Unix seconds), and the time to live a refresh restarts
+    expires_at: float | None = None
+    ttl_s: float | None = None
 
 
 def _check_name(namespace: Any, key: Any) -> tuple[tuple[str, ...], str]:
@@ -98,8 +108,10 @@ def _row_key(tenant: str, namespace: tuple[str, ...], key: str) -> str:
     return tier_key("i", tenant, digest[:40])
 
 
-def _parse_row(raw: bytes | None) -> dict[str, Any] | None:
-    """A live item row, or ``None`` (none, a tombstone, or a row that fails its checks: rows are untrusted)."""
+def _parse_row(raw: bytes | None, now: float | None) -> dict[str, Any] | None:
+    """A live item row, or ``None`` (none, a tombstone, expired at ``now``, or a row that fails its
+    checks: rows are untrusted). ``now=None`` reads an expired row as live (what it says, not
+    whether it still holds)."""
     if not raw:
         return None
     try:
@@ -115,8 +127,17 @@ def _parse_row(raw: bytes | None) -> dict[str, Any] | None:
         and isinstance(row.get("key"), str)
         and isinstance(row.get("value"), dict)
         and all(isinstance(row.get(t), (int, float)) and math.isfinite(row[t]) for t in ("created_at", "updated_at"))
+        and all(_is_seconds(row.get(t)) for t in ("expires_at", "ttl_s"))
     )
-    return row if good else None
+    if not good:
+        return None
+    return None if now is not None and row.get("expires_at") is not None and row["expires_at"] <= now else row
+
+
+def _is_seconds(value: Any) -> bool:
+    return value is None or (
+        isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value >= 0
+    )
 
 
 def _memory(store: MemoryStore, tenant: str, row: dict[str, Any] | None) -> MemoryRecord | None:
@@ -130,22 +151,34 @@ def _memory(store: MemoryStore, tenant: str, row: dict[str, Any] | None) -> Memo
 
 
 def _item(tenant: str, row: dict[str, Any], memory: MemoryRecord) -> Item:
-    return Item(tenant, tuple(row["namespace"]), row["key"], row["value"], row["created_at"], row["updated_at"], memory)
+    return Item(
+        tenant,
+        tuple(row["namespace"]),
+        row["key"],
+        row["value"],
+        row["created_at"],
+        row["updated_at"],
+        memory,
+        row.get("expires_at"),
+        row.get("ttl_s"),
+    )
 
 
-def owns(tier: KVTier, record: MemoryRecord) -> bool:
-    """Whether the item row ``record.item`` names ``record`` (only then is an item's memory live)."""
+def owns(tier: KVTier, record: MemoryRecord, now: float) -> bool:
+    """Whether the item row ``record.item`` names ``record`` and has not expired at ``now`` (only
+    then is an item's memory live)."""
     row_key = record.item or ""
     if not row_key.startswith(tier_key("i", record.tenant) + "/"):  # records are untrusted: never another tenant's row
         return False
-    row = _parse_row(tier.get(row_key))
+    row = _parse_row(tier.get(row_key), now)
     return row is not None and row["id"] == record.id
 
 
-def fence_row(tier: KVTier, row_key: str, raw: bytes | None) -> bool:
+def fence_row(tier: KVTier, row_key: str, raw: bytes | None, now: float) -> bool:
     """Make the row's bytes new, keeping what it says, if they are still ``raw``: a put that read
     ``raw`` can then no longer publish. gc does this before it removes a memory the row does not
-    name (a put stalled past the grace may be about to name it).
+    name (a put stalled past the grace may be about to name it). A row expired at ``now`` becomes
+    a tombstone.
 
     :returns: whether the row was still ``raw`` (and is now fenced).
     """
@@ -153,8 +186,8 @@ def fence_row(tier: KVTier, row_key: str, raw: bytes | None) -> bool:
         row = json.loads(raw) if raw else None
     except (UnicodeDecodeError, ValueError, RecursionError):
         row = None
-    if not isinstance(row, dict) or _parse_row(raw) is None:
-        row = {"deleted": True}  # nothing readable: what it said was "no item"
+    if not isinstance(row, dict) or _parse_row(raw, now) is None:
+        row = {"deleted": True}  # nothing readable, or expired: what it says is "no item"
     row["fence"] = uuid.uuid4().hex
     return tier.compare_and_set(row_key, raw, json.dumps(row, ensure_ascii=False).encode("utf-8"))
 
@@ -186,9 +219,11 @@ def put_item(
     """Create or replace the item ``key`` of ``namespace``: ``text`` becomes its memory's text
     (a new memory when it changed), ``value`` its value.
 
+    :param ttl_s: the item expires this many seconds after this put (or after the last
+        :func:`refresh_item`), by the store's clock; ``None`` keeps it until it is deleted.
     :param index: ``False``: the item's text is not embedded or indexed (search never finds it,
         recall never shows it); ``get`` still returns it.
-    :raises InvalidInputError: a bad tenant, namespace, key, text or value.
+    :raises InvalidInputError: a bad tenant, namespace, key, text, value or TTL.
     :raises StoreBusyError: other writers of the same key kept publishing first.
     :raises StoreError: the tier refused a write.
     """
@@ -196,23 +231,25 @@ def put_item(
     labels, key = _check_name(namespace, key)
     encoded_value = _check_value(value)
     text = inputs.check_text(text, "text")
+    ttl = inputs.check_ttl(ttl_s)
     if not isinstance(index, bool):
         raise InvalidInputError(f"index must be True or False, got {index!r}")
     row_key = _row_key(tenant, labels, key)
     for _ in range(_ATTEMPTS):
         raw = store.tier.get(row_key)
-        row = _parse_row(raw)
-        current = _memory(store, tenant, row)
         now = store.now()
+        said = _parse_row(raw, None)  # an expired row's memory is retired once this put wins
+        row = _parse_row(raw, now)
+        current = _memory(store, tenant, row)
         made = None
-        if current is None or current.text != text or current.indexed != index or ttl_s is not None:
+        if current is None or current.text != text or current.indexed != index:
             made = store._add(  # noqa: SLF001 - the item layer is the store's own
                 text,
                 tenant=tenant,
                 session_id=session_id,
                 importance_score=0.5,
                 semantic_keywords=(),
-                ttl_s=ttl_s,
+                ttl_s=None,  # the row carries the item's expiry: a refresh moves it without a new memory
                 index=index,
                 item=row_key,
             )
@@ -225,35 +262,66 @@ def put_item(
             "value": json.loads(encoded_value),
             "created_at": row["created_at"] if row is not None and current is not None else now,
             "updated_at": now,
+            "expires_at": None if ttl is None else now + ttl,
+            "ttl_s": ttl,
         }
         if store.tier.compare_and_set(row_key, raw, json.dumps(published, ensure_ascii=False).encode("utf-8")):
-            if made is not None and current is not None:
-                _retire(store, tenant, current.id)
+            if said is not None and said["id"] != memory.id:
+                _retire(store, tenant, said["id"])
             return _item(tenant, published, memory)
         if made is not None:  # refused: the memory made for this write is nobody's
             _retire(store, tenant, made.id)
     raise StoreBusyError(f"item {key!r} of {labels!r}: other writers kept publishing first; try again")
 
 
-def get_item(store: MemoryStore, tenant: str, namespace: Sequence[str], key: str) -> Item | None:
+def get_item(
+    store: MemoryStore, tenant: str, namespace: Sequence[str], key: str, *, refresh: bool = False
+) -> Item | None:
     """The item, or ``None`` (none, deleted, expired, or another tenant's).
 
+    :param refresh: restart the item's time to live (:func:`refresh_item`), when it has one.
     :raises InvalidInputError: a bad tenant, namespace or key.
     """
     tenant = inputs.check_identifier(tenant, "tenant")
     labels, key = _check_name(namespace, key)
-    row = _parse_row(store.tier.get(_row_key(tenant, labels, key)))
+    row_key = _row_key(tenant, labels, key)
+    raw = store.tier.get(row_key)
+    row = _parse_row(raw, store.now())
     if row is None or tuple(row["namespace"]) != labels or row["key"] != key:
         return None
     memory = _memory(store, tenant, row)
-    return None if memory is None else _item(tenant, row, memory)
+    if memory is None:
+        return None
+    found = _item(tenant, row, memory)
+    return _refreshed(store, row_key, raw, found) if refresh else found
+
+
+def refresh_item(store: MemoryStore, item: Item) -> Item:
+    """Restart ``item``'s time to live from now (what a read does in LangGraph's stores): it then
+    expires ``ttl_s`` after this call. An item with no TTL, or one another writer changed since
+    it was read (that writer's put set its expiry), is returned as it was.
+
+    :raises StoreError: the tier failed.
+    """
+    row_key = _row_key(item.tenant, item.namespace, item.key)
+    return _refreshed(store, row_key, store.tier.get(row_key), item)
+
+
+def _refreshed(store: MemoryStore, row_key: str, raw: bytes | None, item: Item) -> Item:
+    row = _parse_row(raw, store.now())
+    if item.ttl_s is None or row is None or row["id"] != item.memory.id:
+        return item
+    expires_at = store.now() + item.ttl_s
+    if store.tier.compare_and_set(row_key, raw, json.dumps({**row, "expires_at": expires_at}).encode("utf-8")):
+        return replace(item, expires_at=expires_at)
+    return item
 
 
 def delete_item(store: MemoryStore, tenant: str, namespace: Sequence[str], key: str) -> bool:
     """Delete the item and its memory; its value is not kept. The item is gone when the row's
     tombstone is written; its memory is deleted next (or, if this writer dies first, by gc).
 
-    :returns: whether there was a live item.
+    :returns: whether there was a live item (an expired one is removed too, and counts as none).
     :raises InvalidInputError: a bad tenant, namespace or key.
     :raises StoreBusyError: other writers of the same key kept publishing first.
     """
@@ -262,12 +330,13 @@ def delete_item(store: MemoryStore, tenant: str, namespace: Sequence[str], key: 
     row_key = _row_key(tenant, labels, key)
     for _ in range(_ATTEMPTS):
         raw = store.tier.get(row_key)
-        row = _parse_row(raw)
-        if row is None:
+        said = _parse_row(raw, None)
+        if said is None:
             return False
+        live = _parse_row(raw, store.now()) is not None
         if store.tier.compare_and_set(row_key, raw, json.dumps({"deleted": True}).encode()):
-            _retire(store, tenant, row["id"])
-            return True
+            _retire(store, tenant, said["id"])
+            return live
     raise StoreBusyError(f"item {key!r} of {labels!r}: other writers kept publishing first; try again")
 
 
@@ -279,7 +348,7 @@ def item_of(store: MemoryStore, record: MemoryRecord) -> Item | None:
         row_key = pointer.decode("utf-8", "replace") if pointer else ""
     if not row_key.startswith(tier_key("i", record.tenant) + "/"):  # rows are untrusted: never another tenant's
         return None
-    row = _parse_row(store.tier.get(row_key))
+    row = _parse_row(store.tier.get(row_key), store.now())
     if row is None or row["id"] != record.id:
         return None
     return _item(record.tenant, row, record)
@@ -288,9 +357,10 @@ def item_of(store: MemoryStore, record: MemoryRecord) -> Item | None:
 def list_items(store: MemoryStore, tenant: str | None = None) -> Iterator[Item]:
     """Every live item (of ``tenant``, when given), in no particular order."""
     prefix = tier_key("i", inputs.check_identifier(tenant, "tenant")) + "/" if tenant is not None else "i/"
+    now = store.now()
     for row_key in list(store.tier.scan(prefix)):
         parts = split_key(row_key)
-        row = _parse_row(store.tier.get(row_key)) if len(parts) == 3 else None
+        row = _parse_row(store.tier.get(row_key), now) if len(parts) == 3 else None
         memory = _memory(store, parts[1], row) if len(parts) == 3 else None
         if row is not None and memory is not None:
             yield _item(parts[1], row, memory)
@@ -299,3 +369,27 @@ def list_items(store: MemoryStore, tenant: str | None = None) -> Iterator[Item]:
 def item_tenants(store: MemoryStore) -> set[str]:
     """The tenants that have item rows (live or deleted), read from the rows' keys alone."""
     return {parts[1] for parts in map(split_key, store.tier.scan("i/")) if len(parts) == 3 and parts[1]}
+
+
+def sweep_items(store: MemoryStore) -> int:
+    """Remove every expired item: its row becomes a tombstone (by compare-and-set, so a put that
+    renewed it meanwhile wins) and its memory is deleted. Reads never show an expired item, swept
+    or not: this frees its space.
+
+    :returns: how many expired items were removed.
+    :raises StoreError: the tier failed.
+    """
+    removed = 0
+    now = store.now()
+    for row_key in list(store.tier.scan("i/")):
+        parts = split_key(row_key)
+        if len(parts) != 3:
+            continue
+        raw = store.tier.get(row_key)
+        said = _parse_row(raw, None)
+        if said is None or _parse_row(raw, now) is not None:
+            continue
+        if store.tier.compare_and_set(row_key, raw, json.dumps({"deleted": True}).encode()):
+            _retire(store, parts[1], said["id"])
+            removed += 1
+    return removed

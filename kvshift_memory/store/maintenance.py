@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 from ..blobs import codec_label, read_header, verify_blob
 from ..exceptions import CorruptFragmentError, CorruptRecordError, StoreError
 from .index import IndexedState
-from .items import fence_row, owns
+from .items import fence_row, owns, sweep_items
 from .keywords import memory_keywords
 from .layout import (
     LOG_KEY,
@@ -59,6 +59,7 @@ class GCReport:
     """What :meth:`MemoryStore.gc` freed."""
 
     erased_memories: int = 0
+    expired_items: int = 0
     freed_fragments: int = 0
     freed_bytes: int = 0
     freed_keys: int = 0
@@ -67,7 +68,8 @@ class GCReport:
 def collect_garbage(store: MemoryStore, *, keep_model_fingerprint: str | None = None) -> GCReport:
     """Free what no live memory uses.
 
-    Erases deleted and expired memories (text, vectors, fragments), fragments and vectors of
+    Removes expired items (:func:`~.items.sweep_items`), erases deleted and expired memories
+    (text, vectors, fragments), fragments and vectors of
     superseded versions (their text stays, for :meth:`history`), data that writers killed
     mid-write left behind, memories of items that no item row names, and, when
     ``keep_model_fingerprint`` is given, fragments of other models (stale: they would never be
@@ -80,7 +82,7 @@ def collect_garbage(store: MemoryStore, *, keep_model_fingerprint: str | None = 
 
     :raises StoreError: the tier failed.
     """
-    report = GCReport()
+    report = GCReport(expired_items=sweep_items(store))
     now = store.tier.now()
     heads: dict[tuple[str, str], dict | None] = {}
     for key in list(store.tier.scan("h/")):
@@ -122,10 +124,10 @@ def _unowned_item(store: MemoryStore, record: MemoryRecord, now: float, report: 
 
     :returns: whether it was deleted.
     """
-    if record.item is None or owns(store.tier, record) or now - record.created_at <= ORPHAN_GRACE_S:
+    if record.item is None or owns(store.tier, record, now) or now - record.created_at <= ORPHAN_GRACE_S:
         return False
     raw_row = store._get_row(record.item)
-    if owns(store.tier, record) or not fence_row(store.tier, record.item, raw_row):
+    if owns(store.tier, record, now) or not fence_row(store.tier, record.item, raw_row, now):
         return False  # named meanwhile, or the row moved under us: judged again next time
     try:
         store.delete(record.id, tenant=record.tenant)

@@ -317,6 +317,7 @@ class MemoryStore:
         text = inputs.check_text(text, "text")
         importance_score = inputs.check_ratio(importance_score, "importance_score")
         keywords = _check_keywords(semantic_keywords)
+        ttl = inputs.check_ttl(ttl_s)
         if not isinstance(index, bool):
             raise InvalidInputError(f"index must be True or False, got {index!r}")
         for _ in range(_ADD_ATTEMPTS):
@@ -331,7 +332,7 @@ class MemoryStore:
                 source_text_hash=text_hash(text),
                 importance_score=importance_score,
                 semantic_keywords=keywords,
-                expires_at=_expiry(ttl_s, now),
+                expires_at=None if ttl is None else now + ttl,
                 indexed=index,
                 item=item,
             )
@@ -784,7 +785,7 @@ class MemoryStore:
         record = self._read_record(tenant, memory_id, head["v"], head["w"])
         if record is None or record.is_expired(self.now()):
             return None
-        if record.item is not None and not owns(self.tier, record):
+        if record.item is not None and not owns(self.tier, record, self.now()):
             return None  # an item's memory lives only while its row names it: the row is the truth
         return replace(record, fragment_source=self)
 
@@ -832,10 +833,3 @@ def _check_keywords(value: Any) -> tuple[str, ...]:
         raise InvalidInputError("semantic_keywords must be a list of strings")
     return tuple(inputs.check_text(word, "semantic keyword") for word in value)
 
-
-def _expiry(ttl_s: Any, now: float) -> float | None:
-    if ttl_s is None:
-        return None
-    if isinstance(ttl_s, bool) or not isinstance(ttl_s, (int, float)) or not 0 < ttl_s < 1e11:
-        raise InvalidInputError(f"ttl_s must be a positive number of seconds or None, got {ttl_s!r}")
-    return now + float(ttl_s)
