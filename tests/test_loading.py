@@ -194,3 +194,117 @@ def test_conversion_without_gguf_says_what_to_install(fake_gguf, monkeypatch):
     with pytest.raises(ModelNotFoundError, match=r"needs gguf>=0.10 \(the kvshift-memory\[gguf\] extra\)") as raised:
         loading.shipped_model_folder()
     assert "kvshift models install smollm2-135m-instruct" in str(raised.value)
+
+
+class _Hub:
+    """A model repository served the way the Hugging Face hub serves files (``/{repo}/resolve/
+    {revision}/{file}``, HEAD with the commit, ETag and size headers, GET with the bytes; folder
+    listings empty), on 127.0.0.1: what transformers downloads from, without the internet."""
+
+    COMMIT = "0123456789abcdef0123456789abcdef01234567"
+
+    def __init__(self, repo_id: str, folder) -> None:
+        import http.server
+        import threading
+
+        self.requested: list[str] = []
+        files = {path.name: path.read_bytes() for path in folder.iterdir() if path.is_file()}
+        hub = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def _answer(self, body: bool) -> None:
+                hub.requested.append(f"{self.command} {self.path}")
+                if self.path.startswith(f"/api/models/{repo_id}/tree/"):  # a folder listing: the repo has none
+                    self.send_response(200)
+                    self.send_header("Content-Type", "application/json")
+                    self.send_header("Content-Length", "2")
+                    self.end_headers()
+                    if body:
+                        self.wfile.write(b"[]")
+                    return
+                prefix = f"/{repo_id}/resolve/"
+                name = self.path[len(prefix) :].split("/", 1)[-1].split("?")[0] if self.path.startswith(prefix) else ""
+                data = files.get(name)
+                if data is None:
+                    self.send_response(404)
+                    self.send_header("X-Error-Code", "EntryNotFound" if name else "RepoNotFound")
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+                    return
+                self.send_response(200)
+                self.send_header("X-Repo-Commit", _Hub.COMMIT)
+                self.send_header("ETag", f'"{hashlib.sha256(data).hexdigest()}"')
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                if body:
+                    self.wfile.write(data)
+
+            def do_HEAD(self) -> None:  # noqa: N802 - http.server's name
+                self._answer(body=False)
+
+            def do_GET(self) -> None:  # noqa: N802 - http.server's name
+                self._answer(body=True)
+
+            def log_message(self, *args) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def _load_in_a_new_process(repo_id: str, env: dict[str, str]):
+    """``KVShiftEngine.from_pretrained(repo_id)`` in a fresh interpreter (the hub's settings are
+    read from the environment when huggingface_hub is imported)."""
+    import os
+    import subprocess
+
+    script = (
+        "import sys\n"
+        "from kvshift_memory import KVShiftEngine, ModelNotFoundError\n"
+        "try:\n"
+        f"    engine = KVShiftEngine.from_pretrained({repo_id!r})\n"
+        "except ModelNotFoundError as exc:\n"
+        "    print('NOT FOUND:', exc); sys.exit(3)\n"
+        "print('LOADED', engine.generate('hi', max_new_tokens=2).stats.generated_tokens)\n"
+    )
+    base = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_ENDPOINT")}
+    return subprocess.run(
+        [sys.executable, "-c", script], env={**base, **env}, capture_output=True, text=True, timeout=600
+    )
+
+
+def test_a_hub_id_downloads_as_transformers_does_when_allowed_and_says_how_when_offline(tmp_path, tokenizer):
+    repo = tmp_path / "repo"
+    tiny_model(TINY_CONFIGS["qwen2"]()).save_pretrained(repo)
+    tokenizer.save_pretrained(repo)
+    hub = _Hub("tiny-org/tiny-qwen", repo)
+    cache = {"HF_HOME": str(tmp_path / "hf"), "HF_HUB_DISABLE_TELEMETRY": "1", "NO_PROXY": "127.0.0.1"}
+    try:
+        online = _load_in_a_new_process("tiny-org/tiny-qwen", {**cache, "HF_ENDPOINT": hub.url})
+        not_there = _load_in_a_new_process("tiny-org/not-on-the-hub", {**cache, "HF_ENDPOINT": hub.url})
+    finally:
+        hub.close()
+    assert online.returncode == 0, online.stdout + online.stderr
+    assert "LOADED 2" in online.stdout
+    assert "GET /tiny-org/tiny-qwen/resolve/main/model.safetensors" in hub.requested
+    assert list((tmp_path / "hf" / "hub").glob("models--tiny-org--tiny-qwen/snapshots/*/model.safetensors"))
+    # an id the hub does not have: a clear error that names the hub it asked
+    assert not_there.returncode == 3 and f"from the hub ({hub.url})" in not_there.stdout, not_there.stdout
+    # offline, with the hub gone: the cached copy loads; an id never downloaded says how to get it
+    offline = {**cache, "HF_HUB_OFFLINE": "1", "HF_ENDPOINT": hub.url}
+    cached = _load_in_a_new_process("tiny-org/tiny-qwen", offline)
+    assert cached.returncode == 0 and "LOADED 2" in cached.stdout, cached.stdout + cached.stderr
+    missing = _load_in_a_new_process("tiny-org/never-downloaded", offline)
+    assert missing.returncode == 3, missing.stdout + missing.stderr
+    assert "HF_HUB_OFFLINE" in missing.stdout and "hf download tiny-org/never-downloaded" in missing.stdout
+
+
+def test_a_hub_id_not_cached_offline_is_a_clear_error_in_process():
+    with pytest.raises(ModelNotFoundError, match="hf download nobody/not-cached") as raised:
+        KVShiftEngine.from_pretrained("nobody/not-cached")
+    assert "HF_HUB_OFFLINE" in str(raised.value)

