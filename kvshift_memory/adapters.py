@@ -27,9 +27,11 @@ prompt text; ``docs/how-it-works.md``): :func:`render_marker`, :func:`render_mem
 :func:`parse_markers`, :func:`resolve_markers`, :func:`strip_markers`; :func:`in_document_order`
 (a retriever's hits with a document's parts in order).
 
-Chat turns beyond text (:mod:`kvshift_memory.chat_turns`): tool calls in one layout the model
-writes under a grammar (:func:`tools_instructions`, :func:`tool_call_grammar`, :func:`closed_schema`,
-:func:`format_tool_calls`, :func:`parse_tool_calls`, :func:`tool_response`), structured answers
+Chat turns beyond text (:mod:`kvshift_memory.chat_turns`): tool calls in the model's layout
+(:data:`ToolLayout`: the engine writes tools, calls and results; the model's answer is decoded
+under :func:`tool_call_grammar` and read by :func:`parse_tool_calls`; :func:`closed_schema`, and
+our own layout's parts :func:`tools_instructions`, :func:`format_tool_calls`,
+:func:`tool_response`), structured answers
 (:func:`schema_instructions`, :func:`with_system_text`, :data:`CONSTRAINED_REPETITION_PENALTY`) and reply token ids
 (:func:`plausible_reply_ids`).
 
@@ -43,6 +45,8 @@ from .agent.recall import archive, archived_text, forget_closest, last_sentence,
 from .agent.writeback import FEATURES, Decision, WriteBackModel, explicit_request, turn_features
 from .chat_turns import (
     CONSTRAINED_REPETITION_PENALTY,
+    TOOL_LAYOUTS,
+    ToolLayout,
     closed_schema,
     format_tool_calls,
     parse_tool_calls,
@@ -85,6 +89,8 @@ __all__ = [
     "Item",
     "MarkedSpan",
     "Store",
+    "TOOL_LAYOUTS",
+    "ToolLayout",
     "WriteBackModel",
     "archive",
     "archived_text",

@@ -1,12 +1,18 @@
 """What a chat framework's messages carry beyond text, written as the model reads it, and back.
 
-Tool calls: every chat template gets the same layout (the one Hermes and Qwen 2.5 templates use),
-written into the conversation's text: the tools' JSON schemas in the system message, each call as
-``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`` in the assistant's turn, each
-result as ``<tool_response>\\n...\\n</tool_response>`` in a user turn. A call the model made is
-rendered back exactly as it was generated, so the next turn's prompt starts with the previous one
-and its K/V is reused. The call itself is decoded under a grammar built from the tools' schemas
-(:class:`~kvshift_memory.Grammar`): names and arguments always parse and validate.
+Tool calls take one of three layouts (:data:`ToolLayout`, chosen per model by
+:func:`~kvshift_memory.engine.prompt.tool_layout`). A chat template that renders tools itself
+renders them, their calls and their results (``tools=`` and ``tool_calls`` given to it, as
+transformers passes them), and the model's calls are read in the format that template teaches:
+``"hermes"`` (Qwen 2.5 and 3, Hermes: ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``)
+or ``"llama-json"`` (Llama 3.1 and later: the answer is ``{"name": ..., "parameters": {...}}``).
+Every other template gets ``"kvshift"``, our own layout written into the conversation's text
+(:func:`as_text_turns`): the tools' JSON schemas in the system message, each call in the Hermes
+tags in the assistant's turn, each result as ``<tool_response>\\n...\\n</tool_response>`` in a user
+turn. Either way a call the model made comes back into the next prompt as it was generated, so
+the next turn's prompt starts with the previous one and its K/V is reused, and the call itself is
+decoded under a grammar built from the tools' schemas (:class:`~kvshift_memory.Grammar`): names
+and arguments always parse and validate.
 
 Structured answers: the schema told in the system message, the answer decoded under it.
 
@@ -14,7 +20,8 @@ Reply token ids: what the model generated, carried by a framework's message as a
 reads a reply as those ids when they read back as its text, so the next turn reuses all of it.
 
 The LangChain and LlamaIndex adapters build on these (through :mod:`kvshift_memory.adapters`);
-calls are plain ``{"name": str, "arguments": dict}`` dicts, each framework adds its own ids.
+calls are plain ``{"name": str, "arguments": dict, "id": str}`` dicts (``id`` optional), each
+framework adds its own ids.
 """
 
 from __future__ import annotations
@@ -22,7 +29,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from .exceptions import InvalidInputError
 
@@ -31,6 +38,9 @@ if TYPE_CHECKING:
 
 __all__ = [
     "CONSTRAINED_REPETITION_PENALTY",
+    "TOOL_LAYOUTS",
+    "ToolLayout",
+    "as_text_turns",
     "closed_schema",
     "format_tool_calls",
     "parse_tool_calls",
@@ -47,6 +57,13 @@ __all__ = [
 CONSTRAINED_REPETITION_PENALTY = 1.1
 _OPEN, _CLOSE = "<tool_call>\n", "\n</tool_call>"
 _CALL = re.compile(r"<tool_call>\n(.*?)\n</tool_call>", re.DOTALL)
+
+#: how tools, calls and results reach the model (the module's docstring): ``"kvshift"`` as text
+#: in our own layout, ``"hermes"`` and ``"llama-json"`` rendered by the model's chat template
+ToolLayout = Literal["kvshift", "hermes", "llama-json"]
+TOOL_LAYOUTS: tuple[ToolLayout, ...] = ("kvshift", "hermes", "llama-json")
+# the key a layout's call keeps its arguments under
+_ARGUMENTS_KEY = {"kvshift": "arguments", "hermes": "arguments", "llama-json": "parameters"}
 
 
 def tools_instructions(tools: Sequence[Mapping[str, Any]]) -> str:
@@ -91,10 +108,10 @@ def closed_schema(schema: Any) -> Any:
     return closed
 
 
-def _call_schema(function: Mapping[str, Any], closed: bool) -> dict[str, Any]:
+def _call_schema(function: Mapping[str, Any], closed: bool, arguments_key: str = "arguments") -> dict[str, Any]:
     """The JSON schema of one call to ``function``. Its parameters' definitions (``$defs``, as
     Pydantic writes nested models) move to the call schema's root, where their ``#/$defs/...``
-    references point once the parameters sit under ``"arguments"``."""
+    references point once the parameters sit under ``arguments_key``."""
     parameters = dict(function.get("parameters") or {"type": "object", "properties": {}})
     definitions = {key: parameters.pop(key) for key in ("$defs", "definitions") if key in parameters}
     if closed:
@@ -102,25 +119,31 @@ def _call_schema(function: Mapping[str, Any], closed: bool) -> dict[str, Any]:
         definitions = {key: closed_schema(value) for key, value in definitions.items()}
     return {
         "type": "object",
-        "properties": {"name": {"const": function["name"]}, "arguments": parameters},
-        "required": ["name", "arguments"],
+        "properties": {"name": {"const": function["name"]}, arguments_key: parameters},
+        "required": ["name", arguments_key],
         "additionalProperties": False,
         **definitions,
     }
 
 
-def tool_call_grammar(tools: Sequence[Mapping[str, Any]], choice: str | None, closed: bool = True) -> Grammar | None:
+def tool_call_grammar(
+    tools: Sequence[Mapping[str, Any]], choice: str | None, closed: bool = True, layout: ToolLayout = "kvshift"
+) -> Grammar | None:
     """The grammar an answer follows with ``tools`` (OpenAI-format tool dicts) bound.
 
     :param choice: ``None``/``"auto"`` (text, or one call), ``"any"``/``"required"`` (one call to
         any tool), a tool's name (one call to it), ``"none"`` (no grammar: text only).
     :param closed: arguments hold their schema's listed keys only (:func:`closed_schema`).
-    :raises InvalidInputError: a ``choice`` naming no bound tool.
+    :param layout: the model's tool layout (``KVShiftEngine.tool_layout``): a call is written as
+        that layout's model writes it.
+    :raises InvalidInputError: a ``choice`` naming no bound tool, or an unknown layout.
     """
     # imported here: the engine package brings torch and transformers, which a process that only
     # uses the store through the adapters (a worker writing memories) must not wait for
-    from .engine.grammar import Grammar
+    from .engine.grammar import COMPACT_JSON, Grammar
 
+    if layout not in TOOL_LAYOUTS:
+        raise InvalidInputError(f"layout is one of {TOOL_LAYOUTS}, got {layout!r}")
     if choice == "none" or not tools:
         return None
     functions = [tool["function"] for tool in tools]
@@ -130,15 +153,19 @@ def tool_call_grammar(tools: Sequence[Mapping[str, Any]], choice: str | None, cl
             names = [tool["function"]["name"] for tool in tools]
             raise InvalidInputError(f"tool_choice {choice!r} names none of the bound tools {names}")
     # one JSON rule per tool: each call schema keeps its own definitions at its root
-    bodies = [
-        f"body{index}: %json {json.dumps(_call_schema(function, closed), ensure_ascii=False)}\n"
-        for index, function in enumerate(functions)
-    ]
+    schemas = [_call_schema(function, closed, _ARGUMENTS_KEY[layout]) for function in functions]
+    if layout != "kvshift":
+        # the template writes the call back with tojson: the model writes it so, and the next turn reuses it
+        schemas = [schema | {"x-guidance": COMPACT_JSON} for schema in schemas]
+    bodies = [f"body{index}: %json {json.dumps(schema, ensure_ascii=False)}\n" for index, schema in enumerate(schemas)]
     alternatives = " | ".join(f"body{index}" for index in range(len(functions)))
-    call = f"call: {json.dumps(_OPEN)} ({alternatives}) {json.dumps(_CLOSE)}\n{''.join(bodies)}"
+    if layout == "llama-json":  # the answer is the call's JSON itself
+        call, first = f"call: {alternatives}\n{''.join(bodies)}", "{"
+    else:
+        call, first = f"call: {json.dumps(_OPEN)} ({alternatives}) {json.dumps(_CLOSE)}\n{''.join(bodies)}", "<"
     if choice in (None, "auto"):
-        # a text answer may not start a call's tag halfway: it starts with anything but "<"
-        return Grammar.lark(f"start: call | TEXT\nTEXT: /[^<](.|\\n)*/\n{call}")
+        # a text answer may not start a call halfway: it starts with anything but a call's first character
+        return Grammar.lark(f"start: call | TEXT\nTEXT: /[^{re.escape(first)}](.|\\n)*/\n{call}")
     return Grammar.lark(f"start: call\n{call}")
 
 
@@ -150,19 +177,30 @@ def format_tool_calls(calls: Sequence[Mapping[str, Any]]) -> str:
     )
 
 
-def parse_tool_calls(text: str) -> tuple[str, list[dict[str, Any]]]:
+def parse_tool_calls(text: str, layout: ToolLayout = "kvshift") -> tuple[str, list[dict[str, Any]]]:
     """The text of an answer without its tool calls, and the calls as ``{"name", "arguments"}``.
 
+    :param layout: the model's tool layout (``KVShiftEngine.tool_layout``). For ``"llama-json"``
+        an answer that is one JSON object with a ``name`` and ``parameters`` is a call.
     A block that does not parse as a call stays in the text; arguments that are not an object
     become ``{}``.
     """
+    if layout == "llama-json":
+        try:
+            body = json.loads(text)
+        except (json.JSONDecodeError, RecursionError):
+            return text.strip(), []
+        if not isinstance(body, dict) or not isinstance(body.get("name"), str):
+            return text.strip(), []
+        arguments = body.get("parameters", body.get("arguments"))
+        return "", [{"name": body["name"], "arguments": arguments if isinstance(arguments, dict) else {}}]
     calls: list[dict[str, Any]] = []
     kept: list[str] = []
     last = 0
     for found in _CALL.finditer(text):
         try:
             body = json.loads(found.group(1))
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):
             continue
         if not isinstance(body, dict) or not isinstance(body.get("name"), str):
             continue
@@ -177,6 +215,29 @@ def parse_tool_calls(text: str) -> tuple[str, list[dict[str, Any]]]:
 def tool_response(content: str) -> str:
     """A tool's result as the user turn that brings it back."""
     return f"<tool_response>\n{content}\n</tool_response>"
+
+
+def as_text_turns(messages: list[dict[str, Any]], tools: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """``messages`` (the engine's, checked: calls in ``tool_calls``, results as ``"tool"``
+    messages) in our own layout, as text: ``tools`` described after the system message's text,
+    each call written after its message's text as the model writes it, each run of results one
+    user turn. What a template that renders no tools is given."""
+    turns: list[dict[str, Any]] = []
+    after_result = False
+    for message in messages:
+        if message["role"] == "tool":
+            response = tool_response(message["content"])
+            if after_result:
+                turns[-1]["content"] += "\n" + response
+            else:
+                turns.append({"role": "user", "content": response})
+        elif message.get("tool_calls"):
+            text = "\n".join(part for part in (message["content"], format_tool_calls(message["tool_calls"])) if part)
+            turns.append({key: value for key, value in message.items() if key != "tool_calls"} | {"content": text})
+        else:
+            turns.append(dict(message))
+        after_result = message["role"] == "tool"
+    return with_system_text(turns, tools_instructions(tools)) if tools else turns
 
 
 def plausible_reply_ids(ids: Any, content: str) -> bool:

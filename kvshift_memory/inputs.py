@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import json
 import unicodedata
 from collections.abc import Sequence
 from typing import Any, Literal
@@ -23,10 +24,16 @@ __all__ = [
     "check_sampling",
     "check_stop",
     "check_text",
+    "check_tools",
+    "check_ttl",
 ]
 
 REUSE_MODES = ("auto", "none", "prefix", "blend")
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "user", "assistant", "tool")
+#: bounds on what a conversation's tool calls carry (each is JSON the prompt holds whole)
+MAX_TOOLS = 128
+MAX_TOOL_CALLS = 64
+MAX_NAME_CHARS = 256
 
 #: No single text is tokenised past this many characters: longer text cannot fit any context
 #: window we support (~4 characters a token), and tokenising it would only waste time.
@@ -85,7 +92,9 @@ def check_messages(messages: Any) -> list[dict[str, Any]]:
     content, or one ascending offset per memory, where a framework's flat prompt had them); an
     assistant message may carry ``"token_ids"``, the ids it was generated
     as (used when they decode to its content, so that a reply is read back as the very tokens
-    whose K/V are cached).
+    whose K/V are cached), and ``"tool_calls"``: ``{"name", "arguments", "id"}`` dicts (``id``
+    optional). A ``"tool"`` message is a tool's result, with the ``"tool_call_id"`` and
+    ``"name"`` of the call it answers when known.
 
     :raises InvalidInputError: empty list, unknown role or key, a system message after the first,
         a content that is not a non-empty string, bad memories or token ids.
@@ -125,6 +134,11 @@ def check_messages(messages: Any) -> list[dict[str, Any]]:
                 )
         if message.get("token_ids") is not None:
             entry["token_ids"] = _check_token_ids(message["token_ids"], f"messages[{index}]['token_ids']")
+        if message.get("tool_calls"):
+            entry["tool_calls"] = _check_tool_calls(message["tool_calls"], f"messages[{index}]['tool_calls']")
+        for key in ("tool_call_id", "name"):
+            if message.get(key) is not None:
+                entry[key] = _check_name(message[key], f"messages[{index}][{key!r}]")
         checked.append(entry)
     return checked
 
@@ -132,8 +146,73 @@ def check_messages(messages: Any) -> list[dict[str, Any]]:
 _MESSAGE_KEYS = {
     "system": {"role", "content"},
     "user": {"role", "content", "memories", "memories_at"},
-    "assistant": {"role", "content", "token_ids"},
+    "assistant": {"role", "content", "token_ids", "tool_calls"},
+    "tool": {"role", "content", "tool_call_id", "name"},
 }
+
+
+def _check_name(value: Any, what: str) -> str:
+    if not isinstance(value, str) or not value.strip() or len(value) > MAX_NAME_CHARS or "\x00" in value:
+        raise InvalidInputError(f"{what} is a non-empty string of at most {MAX_NAME_CHARS} characters, got {value!r}")
+    return value
+
+
+def _check_json_object(value: Any, what: str) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise InvalidInputError(f"{what} is a JSON object (a dict), got {type(value).__name__}")
+    try:
+        text = json.dumps(value, ensure_ascii=False, allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise InvalidInputError(f"{what} must be JSON (str keys; no NaN, no objects): {exc}") from None
+    except RecursionError:
+        raise InvalidInputError(f"{what} is nested too deeply") from None
+    if len(text) > MAX_TEXT_CHARS:
+        raise InvalidInputError(f"{what} is {len(text):,} characters as JSON, over {MAX_TEXT_CHARS:,}")
+    return value
+
+
+def _check_tool_calls(calls: Any, what: str) -> list[dict[str, Any]]:
+    if isinstance(calls, (str, bytes)) or not isinstance(calls, Sequence) or len(calls) > MAX_TOOL_CALLS:
+        raise InvalidInputError(f"{what} is a list of at most {MAX_TOOL_CALLS} calls")
+    checked = []
+    for number, call in enumerate(calls):
+        where = f"{what}[{number}]"
+        if (
+            not isinstance(call, dict)
+            or not {"name", "arguments"} <= set(call)
+            or set(call) - {"name", "arguments", "id"}
+        ):
+            raise InvalidInputError(f"{where} is a dict with 'name', 'arguments' and optionally 'id'")
+        entry: dict[str, Any] = {"name": _check_name(call["name"], f"{where}['name']")}
+        entry["arguments"] = _check_json_object(call["arguments"], f"{where}['arguments']")
+        if call.get("id") is not None:
+            entry["id"] = _check_name(call["id"], f"{where}['id']")
+        checked.append(entry)
+    return checked
+
+
+def check_tools(tools: Any) -> list[dict[str, Any]]:
+    """Accept ``None`` or a list of OpenAI-format tools: ``{"type": "function", "function":
+    {"name", "description", "parameters"}}`` (description and parameters optional).
+
+    :raises InvalidInputError: not a list, too many, or a tool of another shape.
+    """
+    if tools is None:
+        return []
+    if isinstance(tools, (str, bytes)) or not isinstance(tools, Sequence) or len(tools) > MAX_TOOLS:
+        raise InvalidInputError(f"tools is a list of at most {MAX_TOOLS} OpenAI-format tool dicts")
+    checked = []
+    for number, tool in enumerate(tools):
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(function, dict) or tool.get("type", "function") != "function":
+            raise InvalidInputError(f"tools[{number}] is {{'type': 'function', 'function': {{'name', ...}}}}")
+        _check_name(function.get("name"), f"tools[{number}]['function']['name']")
+        if function.get("description") is not None and not isinstance(function["description"], str):
+            raise InvalidInputError(f"tools[{number}]['function']['description'] is a string")
+        if function.get("parameters") is not None:
+            _check_json_object(function["parameters"], f"tools[{number}]['function']['parameters']")
+        checked.append(_check_json_object(dict(tool), f"tools[{number}]"))
+    return checked
 
 
 def _check_offsets(at: Any, count: int, length: int, what: str) -> list[int]:

@@ -56,6 +56,8 @@ ADAPTERS = {
     "Engine",
     "MarkedSpan",
     "Store",
+    "TOOL_LAYOUTS",
+    "ToolLayout",
     "WriteBackModel",
     "archive",
     "archived_text",

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, Literal, overload
 import torch
 
 from .. import inputs
+from ..chat_turns import ToolLayout
 from ..exceptions import ContextOverflowError, InvalidInputError
 from ..kv.cache import ForwardStep, ShiftCache
 from ..kv.fragment import Fragment
@@ -244,6 +245,7 @@ class KVShiftEngine:
         namespace: str | None = None,
         grammar: Grammar | None = None,
         kv_store: ChunkStore | None = None,
+        tools: Sequence[dict[str, Any]] | None = None,
     ) -> GenerationResult: ...
 
     @overload
@@ -267,6 +269,7 @@ class KVShiftEngine:
         namespace: str | None = None,
         grammar: Grammar | None = None,
         kv_store: ChunkStore | None = None,
+        tools: Sequence[dict[str, Any]] | None = None,
     ) -> GenerationStream: ...
 
     def generate(
@@ -289,6 +292,7 @@ class KVShiftEngine:
         namespace: str | None = None,
         grammar: Grammar | None = None,
         kv_store: ChunkStore | None = None,
+        tools: Sequence[dict[str, Any]] | None = None,
     ) -> GenerationResult | GenerationStream:
         """Answer ``messages`` with ``memories`` in the system message.
 
@@ -334,6 +338,12 @@ class KVShiftEngine:
             (``stats.restored_tokens``), and after the answer the prompt's and answer's K/V are
             written to it in the background (:meth:`flush_chunks` waits for that), under
             ``namespace``. Another process or worker given the same store continues from there.
+        :param tools: OpenAI-format tools (``{"type": "function", "function": {"name",
+            "description", "parameters"}}``) the model may call, written as its
+            :attr:`tool_layout` writes them, with the calls (``tool_calls`` of an assistant
+            message) and results (``"tool"`` messages) in ``messages``. The answer is text: read
+            its calls with ``adapters.parse_tool_calls(text, engine.tool_layout)``, and constrain
+            it with ``adapters.tool_call_grammar(tools, choice, layout=engine.tool_layout)``.
         :returns: a :class:`GenerationResult` (text, token ids, stats, finish reason).
         :raises InvalidInputError: bad messages, memories or parameters.
         :raises ContextOverflowError: the prompt plus ``max_new_tokens`` exceeds the context window.
@@ -349,7 +359,15 @@ class KVShiftEngine:
         matcher = None if grammar is None else GrammarMatcher(grammar, self.grammar_tokenizer())
         plan = self._with_store(
             self._planner.plan(
-                messages, memories, reuse, recompute_ratio, max_new_tokens, fragments_after, encode_context, namespace
+                messages,
+                memories,
+                reuse,
+                recompute_ratio,
+                max_new_tokens,
+                fragments_after,
+                encode_context,
+                namespace,
+                tools,
             ),
             kv_store,
         )
@@ -503,6 +521,13 @@ class KVShiftEngine:
                 self._grammar_tokenizer = grammar_tokenizer(self.tokenizer, self.vocab_size, self.eos_token_ids)
             return self._grammar_tokenizer
 
+    @property
+    def tool_layout(self) -> ToolLayout:
+        """How tools, calls and results reach this model: ``"hermes"`` or ``"llama-json"`` when
+        its chat template renders them (Qwen 2.5 and 3; Llama 3.1 and later), else
+        ``"kvshift"``, our own layout as text (``kvshift_memory.chat_turns``)."""
+        return self.tokens.tool_layout
+
     def count_tokens(self, text: str, *, namespace: str | None = None) -> int:
         """Tokens ``text`` takes as message content (``namespace``: as in :meth:`generate`)."""
         text = inputs.check_text(text, "text", allow_empty=True)
@@ -521,6 +546,7 @@ class KVShiftEngine:
         fragments_after: str | None = None,
         encode_context: str | None = None,
         namespace: str | None = None,
+        tools: Sequence[dict[str, Any]] | None = None,
     ) -> PromptPlan:
         """The :class:`PromptPlan` :meth:`generate` would run, with ``extra_tokens`` slots after the prompt.
 
@@ -530,7 +556,7 @@ class KVShiftEngine:
         """
         extra_tokens = inputs.check_positive_int(extra_tokens, "extra_tokens")
         return self._planner.plan(
-            messages, memories, reuse, recompute_ratio, extra_tokens, fragments_after, encode_context, namespace
+            messages, memories, reuse, recompute_ratio, extra_tokens, fragments_after, encode_context, namespace, tools
         )
 
     @torch.inference_mode()

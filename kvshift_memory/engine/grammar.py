@@ -18,7 +18,11 @@ import torch
 
 from ..exceptions import InvalidInputError
 
-__all__ = ["Grammar", "GrammarMatcher"]
+__all__ = ["COMPACT_JSON", "Grammar", "GrammarMatcher"]
+
+#: JSON as ``json.dumps`` writes it (``", "``, ``": "``, no other whitespace): what chat templates'
+#: ``tojson`` writes, so a call or answer the model wrote reads back as the same text
+COMPACT_JSON = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 # a grammar is text the caller gives: bounded like any other input
 _MAX_GRAMMAR_CHARS = 1_000_000
@@ -62,9 +66,8 @@ class Grammar:
         except RecursionError:
             raise InvalidInputError("the JSON schema is nested too deeply") from None
         _check_size(text)
-        options = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
         try:
-            source = _llguidance().LLMatcher.grammar_from_json_schema(text, defaults=options)
+            source = _llguidance().LLMatcher.grammar_from_json_schema(text, defaults=COMPACT_JSON)
         except ValueError as exc:
             raise InvalidInputError(f"the JSON schema cannot be compiled: {exc}") from None
         return cls._checked(source, f"JSON schema {schema.get('title', '')!s}".strip())

@@ -97,6 +97,7 @@ class Planner:
         fragments_after: str | None = None,
         encode_context: str | None = None,
         namespace: str | None = None,
+        tools: Sequence[dict[str, Any]] | None = None,
     ) -> PromptPlan:
         """Validate a call's input and lay its prompt out (see ``KVShiftEngine.generate`` for the arguments).
 
@@ -106,6 +107,7 @@ class Planner:
         settings = self._settings
         namespace = inputs.check_namespace(namespace)
         checked = inputs.check_messages(messages)
+        bound = inputs.check_tools(tools)
         texts = inputs.check_memories(memories)
         requested = inputs.check_reuse(reuse)
         ratio = settings.recompute_ratio if recompute_ratio is None else inputs.check_ratio(recompute_ratio)
@@ -115,7 +117,7 @@ class Planner:
                 given.extend(message["memories"])
                 message["memories"] = inputs.check_memories(message["memories"])
         tokens = self._tokens.scoped(namespace)
-        layout = build_layout(tokens, checked, texts, settings.system_prompt, settings.memory_header)
+        layout = build_layout(tokens, checked, texts, settings.system_prompt, settings.memory_header, bound)
         if fragments_after is not None:
             fixed = [{"role": "system", "content": inputs.check_text(fragments_after, "fragments_after")}]
             layout = replace(layout, conditioning=self._conditioning_after(tokens, fixed))

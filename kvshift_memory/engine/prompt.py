@@ -31,6 +31,7 @@ template (a base model) gets a plain transcript.
 from __future__ import annotations
 
 import hashlib
+import json
 import secrets
 import threading
 from collections import OrderedDict
@@ -40,6 +41,7 @@ from typing import Any, Literal
 
 import torch
 
+from ..chat_turns import ToolLayout, as_text_turns
 from ..exceptions import InvalidInputError
 
 __all__ = [
@@ -52,9 +54,9 @@ __all__ = [
     "common_prefix",
     "digest_ids",
     "template_style",
+    "tool_layout",
 ]
 
-ROLES = ("system", "user", "assistant")
 
 #: ``"system"``: the template renders a system message first; ``"fold"``: the system message goes
 #: into the first user turn (no system role, or a template that would move it); ``"plain"``: no
@@ -172,6 +174,8 @@ class TokenMemo:
         self.tokenizer = tokenizer
         #: how the tokenizer's chat template places a system message
         self.style: TemplateStyle = template_style(tokenizer)
+        #: how tools, calls and results are written for this model
+        self.tool_layout: ToolLayout = tool_layout(tokenizer)
         self.capacity_ids = capacity_ids
         self._ids: OrderedDict[tuple[str, str, bool], tuple[int, ...]] = OrderedDict()
         self._replies: OrderedDict[tuple[str, str], tuple[int, ...]] = OrderedDict()
@@ -239,6 +243,10 @@ class ScopedTokens:
     def style(self) -> TemplateStyle:
         return self.memo.style
 
+    @property
+    def tool_layout(self) -> ToolLayout:
+        return self.memo.tool_layout
+
     def encode(self, text: str, *, split_special: bool = True) -> tuple[int, ...]:
         return self.memo.encode(text, split_special=split_special, namespace=self.namespace)
 
@@ -264,7 +272,46 @@ def template_style(tokenizer: Any) -> TemplateStyle:
     return "system" if 0 <= at < rendered.find(marks["user"]) else "fold"
 
 
-def _render(tokenizer: Any, messages: list[dict[str, str]], spaced: Callable[[str], bool]) -> str:
+_PROBE_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "kvshift_probe",
+        "description": "kvshift probe tool",
+        "parameters": {"type": "object", "properties": {"q": {"type": "string"}}},
+    },
+}
+_PROBE_CALLS: dict[str, ToolLayout] = {
+    '<tool_call>\n{"name": "kvshift_probe", "arguments": {"q": "x"}}\n</tool_call>': "hermes",
+    '{"name": "kvshift_probe", "parameters": {"q": "x"}}': "llama-json",
+}
+
+
+def tool_layout(tokenizer: Any) -> ToolLayout:
+    """How tools reach this model (:data:`~kvshift_memory.chat_turns.ToolLayout`), found by
+    rendering a probe conversation (a tool, a call to it, its result) with the chat template: a
+    template that writes the tool's description and the call in a format we read renders them;
+    any other (no template, one that ignores ``tools=`` or refuses the probe, a call format we do
+    not read) gets our own layout, as text."""
+    if not getattr(tokenizer, "chat_template", None):
+        return "kvshift"
+    call = {"id": "kvshift01", "type": "function", "function": {"name": "kvshift_probe", "arguments": {"q": "x"}}}
+    probe = [
+        {"role": "user", "content": "probe"},
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "content": "probed", "tool_call_id": "kvshift01", "name": "kvshift_probe"},
+    ]
+    try:
+        rendered = tokenizer.apply_chat_template(probe, tools=[_PROBE_TOOL], tokenize=False, add_generation_prompt=True)
+    except Exception:  # a template's own refusal raises whatever its author chose
+        return "kvshift"
+    if not isinstance(rendered, str) or "kvshift probe tool" not in rendered:
+        return "kvshift"
+    return next((layout for written, layout in _PROBE_CALLS.items() if written in rendered), "kvshift")
+
+
+def _render(
+    tokenizer: Any, messages: list[dict[str, Any]], spaced: Callable[[str], bool], tools: Sequence[Any] = ()
+) -> str:
     """The prompt text; a template's own refusal (roles that do not alternate…) is the caller's error.
 
     Without a template, a plain transcript ending in ``"Assistant:"``; a content that does not
@@ -275,7 +322,9 @@ def _render(tokenizer: Any, messages: list[dict[str, str]], spaced: Callable[[st
         lines = [f"{m['role'].capitalize()}:{'' if spaced(m['content']) else ' '}{m['content']}\n" for m in messages]
         return "".join(lines) + "Assistant:"
     try:
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return tokenizer.apply_chat_template(
+            messages, tools=list(tools) or None, tokenize=False, add_generation_prompt=True
+        )
     except Exception as exc:  # jinja2's TemplateError, or what the template's raise_exception raises
         raise InvalidInputError(f"the model's chat template refused these messages: {exc}") from exc
 
@@ -294,12 +343,16 @@ def build_layout(
     memories: Sequence[str],
     system_prompt: str,
     memory_header: str,
+    tools: Sequence[dict[str, Any]] = (),
 ) -> PromptLayout:
-    """Tokenise ``messages`` with ``memories`` placed in the system message.
+    """Tokenise ``messages`` with ``memories`` placed in the system message, and ``tools``
+    (OpenAI-format) as the model's tool layout writes them (:func:`tool_layout`).
 
-    ``messages`` and ``memories`` must already be validated (roles known, contents strings,
-    memories stripped and non-empty); a message's own ``"memories"`` are texts here.
+    ``messages``, ``memories`` and ``tools`` must already be validated (roles known, contents
+    strings, memories stripped and non-empty); a message's own ``"memories"`` are texts here.
     """
+    if tokens.tool_layout == "kvshift":
+        messages, tools = as_text_turns(messages, tools), ()
     tag = secrets.token_hex(8)
     contents: dict[str, tuple[str, bool, list[int] | None]] = {}  # sentinel -> (text, is memory, ids)
 
@@ -336,6 +389,8 @@ def build_layout(
                     pieces += [sentinel(content[done:at]), sentinel(f"{text}\n", True)]
                     done = at
                 content = "".join(pieces) + sentinel(content[done:])
+        elif message.get("tool_calls"):
+            content = sentinel(content) if content else ""  # a template writes no text before a bare call
         else:
             reply_ids = message.get("token_ids")
             if reply_ids is None and message["role"] == "assistant":
@@ -345,13 +400,29 @@ def build_layout(
             content = sentinel(content, ids=reply_ids)
         if fold and not rendered_messages:
             content = system + sentinel("\n\n") + content
-        rendered_messages.append({"role": message["role"], "content": content})
+        rendered = {"role": message["role"], "content": content}
+        if message.get("tool_calls"):
+            rendered["tool_calls"] = [
+                {
+                    "id": call.get("id") or f"call{number}",
+                    "type": "function",
+                    "function": {"name": call["name"], "arguments": call["arguments"]},
+                }
+                for number, call in enumerate(message["tool_calls"])
+            ]
+        rendered |= {key: message[key] for key in ("tool_call_id", "name") if key in message}
+        rendered_messages.append(rendered)
 
     def spaced(content: str) -> bool:
         first = contents.get(content[: content.index("\x00", 1) + 1] if content else "")
         return first is not None and first[0][:1].isspace()
 
-    text = _render(tokens.tokenizer, rendered_messages, spaced)
+    text = _render(tokens.tokenizer, rendered_messages, spaced, tools)
+    for key, (content, is_memory, _) in list(contents.items()):
+        quoted = json.dumps(key)
+        if not is_memory and key not in text and quoted in text:
+            # a template that writes a content as JSON (Llama 3.1 a tool's result): that JSON, our tokens
+            text = text.replace(quoted, sentinel(json.dumps(content, ensure_ascii=False)))
 
     ids: list[int] = []
     spans: list[FragmentSpan] = []

@@ -832,4 +832,3 @@ def _check_keywords(value: Any) -> tuple[str, ...]:
     if isinstance(value, str) or not isinstance(value, Sequence):
         raise InvalidInputError("semantic_keywords must be a list of strings")
     return tuple(inputs.check_text(word, "semantic keyword") for word in value)
-

@@ -49,14 +49,7 @@ from kvshift_memory.adapters import (
     strip_markers,
     with_system_text,
 )
-from langchain_kvshift.tool_calls import (
-    closed_schema,
-    format_tool_calls,
-    parse_tool_calls,
-    tool_call_grammar,
-    tool_response,
-    tools_instructions,
-)
+from langchain_kvshift.tool_calls import closed_schema, engine_calls, message_id, parse_tool_calls, tool_call_grammar
 
 __all__ = ["ChatKVShift"]
 
@@ -116,8 +109,8 @@ def to_engine_messages(
     one place for it), in order; human, AI and chat messages with those roles keep their order.
     An AI message's ``response_metadata["token_ids"]`` (what ChatKVShift generated) go along: the
     engine reads the reply as those ids when they read back as its text, so the next turn reuses
-    all of it. An AI message's tool calls are written after its text as the model writes them, and tool
-    results become user turns (:mod:`langchain_kvshift.tool_calls`); consecutive results share one.
+    all of it. An AI message's tool calls go along as ``tool_calls`` and tool results as ``"tool"``
+    messages: the engine writes them as the model's layout has them (``KVShiftEngine.tool_layout``).
     With ``store`` and ``user_id``, a human message's markers that name this user's memories
     bring their fragments along (:func:`~kvshift_memory.adapters.marked_user_message`); every
     other marker is removed.
@@ -136,15 +129,18 @@ def to_engine_messages(
         elif _ROLES[role] == "user":
             turns.append(marked_user_message(text, store, tenant=user_id, session_id=session_id))
         elif _ROLES[role] == "tool":
-            response = tool_response(strip_markers(text))
-            if isinstance(messages[index - 1] if index else None, ToolMessage):
-                turns[-1]["content"] += "\n" + response
-            else:
-                turns.append({"role": "user", "content": response})
+            result: dict[str, Any] = {"role": "tool", "content": strip_markers(text)}
+            if isinstance(message, ToolMessage) and message_id(message.tool_call_id):
+                result["tool_call_id"] = message.tool_call_id
+            if message_id(message.name):
+                result["name"] = message.name
+            turns.append(result)
         else:
             calls = message.tool_calls if isinstance(message, AIMessage) else []
-            content = "\n".join(part for part in (strip_markers(text), format_tool_calls(calls)) if part)
+            content = strip_markers(text)
             turn: dict[str, Any] = {"role": "assistant", "content": content}
+            if calls:
+                turn["tool_calls"] = engine_calls(calls)
             reply_ids = message.response_metadata.get("token_ids") if isinstance(message, AIMessage) else None
             if not calls and plausible_reply_ids(reply_ids, content):
                 # the ids the model generated: the engine takes them when they read back as the text
@@ -281,9 +277,7 @@ class ChatKVShift(BaseChatModel):
         """The tokens of the whole prompt these messages make: chat template, tool descriptions and all."""
         bound = [convert_to_openai_tool(tool) for tool in tools or ()]
         prompt = self._engine_messages(messages)
-        if bound:
-            prompt = with_system_text(prompt, tools_instructions(bound))
-        return self._engine().plan(prompt, reuse="none", namespace=self.user_id).layout.length
+        return self._engine().plan(prompt, reuse="none", namespace=self.user_id, tools=bound).layout.length
 
     def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> LangSmithParams:
         return LangSmithParams(
@@ -328,8 +322,8 @@ class ChatKVShift(BaseChatModel):
 
     def _prompt(
         self, messages: Sequence[BaseMessage], kwargs: dict[str, Any]
-    ) -> tuple[list[dict[str, Any]], Grammar | None, bool]:
-        """The engine's messages, the grammar the answer follows, and whether tools are bound.
+    ) -> tuple[list[dict[str, Any]], Grammar | None, list[dict[str, Any]]]:
+        """The engine's messages, the grammar the answer follows, and the tools bound.
 
         :raises InvalidInputError: a tool, tool choice or response format that cannot be honoured.
         """
@@ -345,15 +339,15 @@ class ChatKVShift(BaseChatModel):
         if choice is not None and not tools:
             raise InvalidInputError("tool_choice without tools: bind_tools(tools, tool_choice=...)")
         if not tools:
-            return prompt, None, False
+            return prompt, None, []
         if choice in ("any", "required", True):
             choice = "any"
         elif isinstance(choice, dict):  # OpenAI's {"type": "function", "function": {"name": ...}}
             choice = choice.get("function", {}).get("name") or choice.get("name")
         if choice is not None and not isinstance(choice, str):
             raise InvalidInputError(f"tool_choice is a tool's name, 'auto', 'any' or 'none', not {choice!r}")
-        grammar = tool_call_grammar(tools, choice, closed=strict is not False)
-        return with_system_text(prompt, tools_instructions(tools)), grammar, grammar is not None
+        grammar = tool_call_grammar(tools, choice, closed=strict is not False, layout=self._engine().tool_layout)
+        return prompt, grammar, tools
 
     def _message(self, result: GenerationResult | None, tools: bool = False) -> AIMessage:
         assert result is not None  # a generation, or a stream once exhausted, has its result
@@ -369,7 +363,7 @@ class ChatKVShift(BaseChatModel):
             "total_tokens": stats.prompt_tokens + stats.generated_tokens,
             "input_token_details": {"cache_read": stats.reused_tokens, "cache_creation": created},
         }
-        text, calls = parse_tool_calls(result.text) if tools else (result.text, [])
+        text, calls = parse_tool_calls(result.text, engine.tool_layout) if tools else (result.text, [])
         metadata = {
             "model_name": self.model_name,
             "finish_reason": "tool_calls" if calls else result.finish_reason,
@@ -401,8 +395,9 @@ class ChatKVShift(BaseChatModel):
     ) -> ChatResult:
         prompt, grammar, tools = self._prompt(messages, kwargs)
         options = self._options(stop, kwargs, constrained=grammar is not None)
-        result = self._engine().generate(prompt, grammar=grammar, **options)
-        return ChatResult(generations=[ChatGeneration(message=self._message(result, tools=tools))])
+        result = self._engine().generate(prompt, grammar=grammar, tools=tools, **options)
+        calls = bool(tools) and grammar is not None  # tool_choice="none": tools described, no call read
+        return ChatResult(generations=[ChatGeneration(message=self._message(result, tools=calls))])
 
     def _stream(
         self,
@@ -413,14 +408,14 @@ class ChatKVShift(BaseChatModel):
     ) -> Iterator[ChatGenerationChunk]:
         prompt, grammar, tools = self._prompt(messages, kwargs)
         options = self._options(stop, kwargs, constrained=grammar is not None)
-        if tools:  # a call is parsed whole: the answer comes as one chunk holding its text and calls
-            result = self._engine().generate(prompt, grammar=grammar, **options)
+        if tools and grammar is not None:  # a call is parsed whole: one chunk holds the answer's text and calls
+            result = self._engine().generate(prompt, grammar=grammar, tools=tools, **options)
             last = self._last_chunk(result, tools=True)
             if run_manager is not None and last.text:
                 run_manager.on_llm_new_token(last.text)
             yield ChatGenerationChunk(message=last)
             return
-        pieces = self._engine().generate(prompt, stream=True, grammar=grammar, **options)
+        pieces = self._engine().generate(prompt, stream=True, grammar=grammar, tools=tools, **options)
         finished = False
         try:
             for piece in pieces:
@@ -521,7 +516,7 @@ class ChatKVShift(BaseChatModel):
 
 def _response_format(
     prompt: list[dict[str, Any]], response_format: Any
-) -> tuple[list[dict[str, Any]], Grammar | None, bool]:
+) -> tuple[list[dict[str, Any]], Grammar | None, list[dict[str, Any]]]:
     """The prompt and grammar of a ``response_format``: ``{"type": "json_schema", "schema": {...}}``
     (OpenAI's nesting under ``"json_schema"`` is read too; ``"strict": false`` leaves objects open)
     or ``{"type": "json_object"}``.
@@ -530,12 +525,12 @@ def _response_format(
     """
     kind = response_format.get("type") if isinstance(response_format, dict) else None
     if kind == "json_object":
-        return prompt, Grammar.json_schema({"type": "object"}), False
+        return prompt, Grammar.json_schema({"type": "object"}), []
     if kind == "json_schema":
         schema = response_format.get("schema") or response_format.get("json_schema", {}).get("schema")
         if isinstance(schema, dict):
             grammar = Grammar.json_schema(schema if response_format.get("strict") is False else closed_schema(schema))
-            return with_system_text(prompt, schema_instructions(schema)), grammar, False
+            return with_system_text(prompt, schema_instructions(schema)), grammar, []
     raise InvalidInputError(
         "response_format is {'type': 'json_schema', 'schema': {...}} or {'type': 'json_object'}, "
         f"not {response_format!r}"

@@ -1,42 +1,54 @@
-"""Tool calls as text the model writes under a grammar, and back, with LangChain's ``ToolCall``.
+"""Tool calls between LangChain's ``ToolCall`` and the engine's plain calls.
 
-The layout, the grammar and the schema rules are the core's (:mod:`kvshift_memory.chat_turns`,
-through :mod:`kvshift_memory.adapters`; the LlamaIndex adapter shares them): this module only turns
-its plain calls into LangChain's (each with a fresh id) and back.
+The layouts, the grammar and the schema rules are the core's (:mod:`kvshift_memory.chat_turns`,
+through :mod:`kvshift_memory.adapters`; the LlamaIndex adapter shares them): the engine writes
+tools, calls and results as the model's layout has them (``KVShiftEngine.tool_layout``); this
+module only turns LangChain's calls into the engine's and the model's answer back into LangChain's
+(each with a fresh id).
 """
 
 from __future__ import annotations
 
 import uuid
 from collections.abc import Sequence
+from typing import Any
 
 from langchain_core.messages import ToolCall
 from langchain_core.messages.tool import tool_call
 
 from kvshift_memory import adapters
-from kvshift_memory.adapters import closed_schema, tool_call_grammar, tool_response, tools_instructions
+from kvshift_memory.adapters import ToolLayout, closed_schema, tool_call_grammar
 
-__all__ = [
-    "closed_schema",
-    "format_tool_calls",
-    "parse_tool_calls",
-    "tool_call_grammar",
-    "tool_response",
-    "tools_instructions",
-]
+__all__ = ["closed_schema", "engine_calls", "message_id", "parse_tool_calls", "tool_call_grammar"]
+
+_MAX_ID_CHARS = 256
 
 
-def format_tool_calls(calls: Sequence[ToolCall]) -> str:
-    """``calls`` as the model writes them (the inverse of :func:`parse_tool_calls`)."""
-    return adapters.format_tool_calls([{"name": call["name"], "arguments": call["args"]} for call in calls])
+def message_id(value: Any) -> str | None:
+    """A call id a message carries, when the engine can take it (a framework's messages are
+    untrusted: another value is left out, never an error that loses the turn)."""
+    ok = isinstance(value, str) and value.strip() and len(value) <= _MAX_ID_CHARS and "\x00" not in value
+    return value if ok else None
 
 
-def parse_tool_calls(text: str) -> tuple[str, list[ToolCall]]:
+def engine_calls(calls: Sequence[ToolCall]) -> list[dict[str, Any]]:
+    """LangChain's calls as the engine's ``{"name", "arguments", "id"}``."""
+    converted = []
+    for call in calls:
+        entry: dict[str, Any] = {"name": call["name"], "arguments": call["args"]}
+        if message_id(call.get("id")):
+            entry["id"] = call["id"]
+        converted.append(entry)
+    return converted
+
+
+def parse_tool_calls(text: str, layout: ToolLayout = "kvshift") -> tuple[str, list[ToolCall]]:
     """The text of an answer without its tool calls, and the calls (each with a fresh id).
 
+    :param layout: the model's (``KVShiftEngine.tool_layout``).
     A block that does not parse as a call stays in the text.
     """
-    text, calls = adapters.parse_tool_calls(text)
+    text, calls = adapters.parse_tool_calls(text, layout)
     return text, [
         tool_call(name=call["name"], args=call["arguments"], id=f"call_{uuid.uuid4().hex[:24]}") for call in calls
     ]

@@ -7,7 +7,8 @@ from langchain_core.messages import AIMessage, FunctionMessage, HumanMessage, Sy
 from langchain_tests.unit_tests import ChatModelUnitTests
 
 import kvshift_memory.engine.engine as engine_module
-from kvshift_memory import InvalidInputError
+from kvshift_memory import InvalidInputError, inputs
+from kvshift_memory.chat_turns import as_text_turns
 from langchain_kvshift import ChatKVShift, chat_models, tool_calls
 
 
@@ -87,26 +88,49 @@ def test_markers_never_reach_the_engine_without_a_store():
     assert all("⟦" not in m["content"] and "memories" not in m for m in unresolved)
 
 
-def test_tool_calls_and_results_are_written_as_the_model_writes_them():
+def test_tool_calls_and_results_reach_the_engine_as_calls_and_tool_messages():
     call = {"name": "magic_function", "args": {"input": 3}, "id": "call_1", "type": "tool_call"}
     messages = [
         HumanMessage("What is magic_function(3)?"),
         AIMessage("", tool_calls=[call]),
         ToolMessage("5", tool_call_id="call_1"),
-        ToolMessage("7", tool_call_id="call_2"),
+        ToolMessage("7", tool_call_id="call_2", name="magic_function"),
+        ToolMessage("9", tool_call_id="x" * 300),  # an id the engine cannot take is left out, the result kept
     ]
     turns = chat_models.to_engine_messages(messages)
     assert turns[1] == {
         "role": "assistant",
-        "content": '<tool_call>\n{"name": "magic_function", "arguments": {"input": 3}}\n</tool_call>',
+        "content": "",
+        "tool_calls": [{"name": "magic_function", "arguments": {"input": 3}, "id": "call_1"}],
     }
-    assert turns[2] == {
+    assert turns[2:] == [
+        {"role": "tool", "content": "5", "tool_call_id": "call_1"},
+        {"role": "tool", "content": "7", "tool_call_id": "call_2", "name": "magic_function"},
+        {"role": "tool", "content": "9"},
+    ]
+    # a template without tools of its own (the bundled model's) gets them as text, results sharing one turn
+    text_turns = as_text_turns(inputs.check_messages(turns), [])
+    assert (
+        text_turns[1]["content"] == '<tool_call>\n{"name": "magic_function", "arguments": {"input": 3}}\n</tool_call>'
+    )
+    assert text_turns[2] == {
         "role": "user",
-        "content": "<tool_response>\n5\n</tool_response>\n<tool_response>\n7\n</tool_response>",
+        "content": "\n".join(f"<tool_response>\n{n}\n</tool_response>" for n in (5, 7, 9)),
     }
-    text, calls = tool_calls.parse_tool_calls("Sure.\n" + turns[1]["content"])
+    text, calls = tool_calls.parse_tool_calls("Sure.\n" + text_turns[1]["content"])
     assert text == "Sure." and [(c["name"], c["args"]) for c in calls] == [("magic_function", {"input": 3})]
     assert calls[0]["id"].startswith("call_")
+
+
+def test_a_call_in_llama_31s_format_is_read_for_that_layout_only():
+    text = '{"name": "magic_function", "parameters": {"input": 3}}'
+    answer, calls = tool_calls.parse_tool_calls(text, "llama-json")
+    assert answer == "" and [(c["name"], c["args"]) for c in calls] == [("magic_function", {"input": 3})]
+    assert tool_calls.parse_tool_calls(text) == (text, [])  # our layout reads tagged calls only
+    for other in ("It is sunny.", '{"parameters": {}}', "[1, 2]", "{not json"):
+        assert tool_calls.parse_tool_calls(other, "llama-json") == (other, [])
+    with pytest.raises(InvalidInputError, match="layout"):
+        tool_calls.tool_call_grammar([], None, layout="mistral")
 
 
 def test_a_block_that_is_not_a_call_stays_text():

@@ -16,7 +16,8 @@ from llama_index.core.llms.function_calling import FunctionCallingLLM
 from llama_index.core.prompts import PromptTemplate
 from llama_index.core.tools import FunctionTool
 
-from kvshift_memory import InvalidInputError
+from kvshift_memory import InvalidInputError, inputs
+from kvshift_memory.chat_turns import as_text_turns
 from llama_index.llms.kvshift import KVShiftLLM
 from llama_index.llms.kvshift.base import to_engine_messages
 
@@ -105,7 +106,7 @@ def test_a_tool_call_round_trip_reuses_the_call_it_made():
         llm.get_tool_calls_from_response(answer)
 
 
-def test_calls_and_results_are_written_as_the_model_writes_them():
+def test_calls_and_results_reach_the_engine_as_calls_and_tool_messages():
     call = ChatMessage(
         role="assistant",
         blocks=[
@@ -115,20 +116,33 @@ def test_calls_and_results_are_written_as_the_model_writes_them():
             ),
         ],
     )
-    results = [ChatMessage(role="tool", content="5.50 USD"), ChatMessage(role="tool", content="⟦mem:x@1⟧hi⟦/mem⟧")]
+    results = [
+        ChatMessage(role="tool", content="5.50 USD", additional_kwargs={"tool_call_id": "c1"}),
+        ChatMessage(role="tool", content="⟦mem:x@1⟧hi⟦/mem⟧", additional_kwargs={"tool_call_id": ["not", "an id"]}),
+    ]
     messages = to_engine_messages([ChatMessage(role="user", content=QUESTION), call, *results])
     assert messages[1] == {
         "role": "assistant",
-        "content": "Let me convert it.\n<tool_call>\n"
-        '{"name": "convert_currency", "arguments": {"amount": 5, "currency": "X"}}\n</tool_call>',
+        "content": "Let me convert it.",
+        "tool_calls": [{"name": "convert_currency", "arguments": {"amount": 5, "currency": "X"}, "id": "c1"}],
     }
-    # consecutive results share one user turn; a marker in a tool's output is plain text
-    assert messages[2] == {
+    # a marker in a tool's output is plain text; an id the engine cannot take is left out
+    assert messages[2:] == [
+        {"role": "tool", "content": "5.50 USD", "tool_call_id": "c1"},
+        {"role": "tool", "content": "hi"},
+    ]
+    # the bundled model's template renders no tools: our layout, as text, results sharing one user turn
+    text_turns = as_text_turns(inputs.check_messages(messages), [])
+    assert text_turns[1]["content"] == (
+        "Let me convert it.\n<tool_call>\n"
+        '{"name": "convert_currency", "arguments": {"amount": 5, "currency": "X"}}\n</tool_call>'
+    )
+    assert text_turns[2] == {
         "role": "user",
         "content": "<tool_response>\n5.50 USD\n</tool_response>\n<tool_response>\nhi\n</tool_response>",
     }
     broken = ChatMessage(role="assistant", blocks=[ToolCallBlock(tool_name="f", tool_kwargs="{not json")])
-    assert '"arguments": {}' in to_engine_messages([broken])[0]["content"]
+    assert to_engine_messages([broken])[0]["tool_calls"][0]["arguments"] == {}
 
 
 @pytest.mark.parametrize(

@@ -45,17 +45,15 @@ from pydantic import ConfigDict, Field, PrivateAttr
 from kvshift_memory import GenerationResult, GenerationStream, Grammar, InvalidInputError, KVShiftEngine, MemoryStore
 from kvshift_memory.adapters import (
     CONSTRAINED_REPETITION_PENALTY,
-    format_tool_calls,
     marked_user_message,
     parse_tool_calls,
     strip_markers,
     tool_call_grammar,
-    tool_response,
-    tools_instructions,
-    with_system_text,
 )
 
 __all__ = ["KVShiftLLM"]
+
+_MAX_ID_CHARS = 256
 
 _ROLES = {
     MessageRole.SYSTEM: "system",
@@ -70,8 +68,9 @@ def to_engine_messages(
 ) -> list[dict[str, Any]]:
     """LlamaIndex chat messages as the engine's; system messages joined into one leading message.
 
-    An assistant message's tool calls (its ``ToolCallBlock`` blocks) are written after its text as
-    the model writes them; tool results become user turns, consecutive results sharing one. With
+    An assistant message's tool calls (its ``ToolCallBlock`` blocks) go along as ``tool_calls``
+    and tool results as ``"tool"`` messages: the engine writes them as the model's layout has them
+    (``KVShiftEngine.tool_layout``). With
     ``store`` and ``user_id``, a user message's markers that name this user's memories bring their
     fragments along (:func:`~kvshift_memory.adapters.marked_user_message`); every other marker is
     removed.
@@ -92,26 +91,37 @@ def to_engine_messages(
         elif role == "user":
             turns.append(marked_user_message(text, store, tenant=user_id, session_id=session_id))
         elif role == "tool":
-            response = tool_response(strip_markers(text))
-            if index and messages[index - 1].role == MessageRole.TOOL:
-                turns[-1]["content"] += "\n" + response
-            else:
-                turns.append({"role": "user", "content": response})
+            result: dict[str, Any] = {"role": "tool", "content": strip_markers(text)}
+            for key in ("tool_call_id", "name"):
+                if _usable_id(message.additional_kwargs.get(key)):
+                    result[key] = message.additional_kwargs[key]
+            turns.append(result)
         else:
-            calls = format_tool_calls([_call_of(block) for block in message.blocks if isinstance(block, ToolCallBlock)])
-            turns.append({"role": role, "content": "\n".join(part for part in (strip_markers(text), calls) if part)})
+            turn: dict[str, Any] = {"role": role, "content": strip_markers(text)}
+            calls = [_call_of(block) for block in message.blocks if isinstance(block, ToolCallBlock)]
+            if calls:
+                turn["tool_calls"] = calls
+            turns.append(turn)
     return ([{"role": "system", "content": "\n\n".join(system)}] if system else []) + turns
 
 
+def _usable_id(value: Any) -> bool:
+    """Whether a message's call id or tool name can go to the engine (a framework's messages are
+    untrusted: another value is left out, never an error that loses the turn)."""
+    return isinstance(value, str) and bool(value.strip()) and len(value) <= _MAX_ID_CHARS and "\x00" not in value
+
+
 def _call_of(block: ToolCallBlock) -> dict[str, Any]:
-    """A tool call block as the core's ``{"name", "arguments"}`` (arguments that are no JSON object: ``{}``)."""
+    """A tool call block as the core's ``{"name", "arguments", "id"}`` (arguments that are no JSON
+    object: ``{}``)."""
     arguments = block.tool_kwargs
     if isinstance(arguments, str):
         try:
             arguments = json.loads(arguments)
         except json.JSONDecodeError:
             arguments = {}
-    return {"name": block.tool_name, "arguments": arguments if isinstance(arguments, dict) else {}}
+    call = {"name": block.tool_name, "arguments": arguments if isinstance(arguments, dict) else {}}
+    return call | ({"id": block.tool_call_id} if _usable_id(block.tool_call_id) else {})
 
 
 def _tool_choice(choice: Any, required: bool) -> str | None:
@@ -206,8 +216,8 @@ class KVShiftLLM(FunctionCallingLLM):
 
     def _prompt(
         self, messages: Sequence[ChatMessage], kwargs: dict[str, Any]
-    ) -> tuple[list[dict[str, Any]], Grammar | None, bool]:
-        """The engine's messages, the grammar the answer follows, and whether tools are bound
+    ) -> tuple[list[dict[str, Any]], Grammar | None, list[dict[str, Any]]]:
+        """The engine's messages, the grammar the answer follows, and the tools bound
         (``tools``, ``tool_choice`` and ``strict`` taken out of ``kwargs``).
 
         :raises InvalidInputError: a tool choice without tools, or naming no bound tool.
@@ -219,12 +229,14 @@ class KVShiftLLM(FunctionCallingLLM):
         if not tools:
             if choice not in (None, "auto", "none"):
                 raise InvalidInputError(f"tool_choice {choice!r} without tools")
-            return prompt, None, False
-        grammar = tool_call_grammar(tools, choice, closed=strict is not False)
-        return with_system_text(prompt, tools_instructions(tools)), grammar, grammar is not None
+            return prompt, None, []
+        return prompt, tool_call_grammar(tools, choice, strict is not False, self.engine.tool_layout), tools
 
-    def _options(self, kwargs: dict[str, Any], grammar: Grammar | None = None) -> dict[str, Any]:
+    def _options(
+        self, kwargs: dict[str, Any], grammar: Grammar | None = None, tools: list[dict[str, Any]] | None = None
+    ) -> dict[str, Any]:
         return {
+            "tools": tools,
             "reuse": kwargs.get("reuse", self.reuse),
             "recompute_ratio": kwargs.get("recompute_ratio", self.recompute_ratio),
             "fragments_after": self.fragments_after or self.engine.settings.system_prompt,
@@ -245,12 +257,11 @@ class KVShiftLLM(FunctionCallingLLM):
             return {}
         return {"reuse_stats": dataclasses.asdict(result.stats), "finish_reason": result.finish_reason}
 
-    @staticmethod
-    def _reply(text: str, tools: bool) -> ChatMessage:
-        """The assistant message of an answer: its text, and with tools bound its calls as blocks."""
-        if not tools:
+    def _reply(self, text: str, calls_read: bool) -> ChatMessage:
+        """The assistant message of an answer: its text, and when a call may have been made its calls as blocks."""
+        if not calls_read:
             return ChatMessage(role=MessageRole.ASSISTANT, content=text)
-        text, calls = parse_tool_calls(text)
+        text, calls = parse_tool_calls(text, self.engine.tool_layout)
         blocks: list[Any] = [TextBlock(text=text)] if text else []
         blocks += [
             ToolCallBlock(
@@ -283,22 +294,26 @@ class KVShiftLLM(FunctionCallingLLM):
 
     def _chat(self, messages: Sequence[ChatMessage], kwargs: dict[str, Any]) -> ChatResponse:
         prompt, grammar, tools = self._prompt(messages, kwargs)
-        result = self.engine.generate(prompt, **self._options(kwargs, grammar))
-        return ChatResponse(message=self._reply(result.text, tools), raw=self._raw(result))
+        result = self.engine.generate(prompt, **self._options(kwargs, grammar, tools))
+        # tool_choice="none": the tools are described, no call is read
+        return ChatResponse(
+            message=self._reply(result.text, bool(tools) and grammar is not None), raw=self._raw(result)
+        )
 
     def _stream_chat(self, messages: Sequence[ChatMessage], kwargs: dict[str, Any]) -> ChatResponseGen:
         prompt, grammar, tools = self._prompt(messages, kwargs)
-        pieces: GenerationStream = self.engine.generate(prompt, stream=True, **self._options(kwargs, grammar))
+        pieces: GenerationStream = self.engine.generate(prompt, stream=True, **self._options(kwargs, grammar, tools))
+        calls_read = bool(tools) and grammar is not None
 
         def gen() -> ChatResponseGen:
             text = ""
             for piece in pieces:
                 text += piece
-                if not tools:  # with tools, a call's text is no answer: the whole reply comes at the end
+                if not calls_read:  # a call's text is no answer: then the whole reply comes at the end
                     yield ChatResponse(message=ChatMessage(role=MessageRole.ASSISTANT, content=text), delta=piece)
-            final = self._reply(text, tools)
+            final = self._reply(text, calls_read)
             yield ChatResponse(
-                message=final, delta=(final.content or "") if tools else "", raw=self._raw(pieces.result)
+                message=final, delta=(final.content or "") if calls_read else "", raw=self._raw(pieces.result)
             )
 
         return gen()
