@@ -322,7 +322,7 @@ class AgentMemory:
         except BaseException:
             self._release()
             raise
-        reply_stream = ReplyStream(self, plan, steps)
+        reply_stream = ReplyStream(plan, steps, commit=self._commit, release=self._release)
         if stream:
             return reply_stream
         for _ in reply_stream:

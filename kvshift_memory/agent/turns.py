@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from .writeback import Decision
-
-if TYPE_CHECKING:
-    from .memory import AgentMemory
 
 __all__ = ["STREAM_END", "Reply", "ReplyStream", "StreamFailure", "Turn", "TurnPlan"]
 
@@ -111,10 +108,21 @@ class ReplyStream(Iterator[str]):
 
     The session stays busy until the stream is exhausted or closed (closing commits the turn with
     the text produced so far).
+
+    :param commit: writes the finished turn back (``plan``, the generation's result, the text,
+        its stats) and returns its reply; ``release``: frees the session, after a commit or a failure.
     """
 
-    def __init__(self, memory: AgentMemory, plan: TurnPlan, steps: Any) -> None:
-        self._memory, self._plan, self._steps = memory, plan, steps
+    def __init__(
+        self,
+        plan: TurnPlan,
+        steps: Any,
+        *,
+        commit: Callable[[TurnPlan, Any, str, Any], Reply],
+        release: Callable[[], None],
+    ) -> None:
+        self._plan, self._steps = plan, steps
+        self._commit, self._release = commit, release
         self._pieces: list[str] = []
         self.reply: Reply | None = None
 
@@ -130,7 +138,7 @@ class ReplyStream(Iterator[str]):
             self._end()
             raise
         except BaseException:
-            self._memory._release()
+            self._release()
             self.reply = None
             raise
         self._pieces.append(piece)
@@ -144,9 +152,9 @@ class ReplyStream(Iterator[str]):
 
     def _end(self) -> None:
         try:
-            self.reply = self._memory._commit(self._plan, self._steps.result, "".join(self._pieces), self._steps.stats)
+            self.reply = self._commit(self._plan, self._steps.result, "".join(self._pieces), self._steps.stats)
         finally:
-            self._memory._release()
+            self._release()
 
     def __del__(self) -> None:  # an abandoned stream must not leave its session busy forever
         if getattr(self, "reply", 1) is None:

@@ -80,7 +80,7 @@ class MemoryStore:
     """Memories of many tenants: texts, versions, an index to find them, and their KV fragments.
 
     ``MemoryStore(path)`` keeps everything in one folder (a ``diskcache`` tier, and the snapshot
-    each process's in-memory Qdrant index starts from). ``MemoryStore(kv_url="redis://…",
+    each process's in-memory vector index starts from). ``MemoryStore(kv_url="redis://…",
     index_url="http://…")`` shares one memory between processes and machines; without
     ``index_url`` the index is rebuilt in each process from the tier's log.
 
