@@ -88,13 +88,13 @@ def collect_garbage(store: MemoryStore, *, keep_model_fingerprint: str | None = 
     for key in list(store.tier.scan("h/")):
         parts = split_key(key)
         if len(parts) == 3:
-            heads[(parts[1], parts[2])] = parse_head(store._get_row(key))
+            heads[(parts[1], parts[2])] = parse_head(store.versions.get_row(key))
     for (tenant, memory_id), head in heads.items():
         if head is None or head.get("erased"):
             continue
-        live = None if head["deleted"] else store._read_record(tenant, memory_id, head["v"], head["w"])
+        live = None if head["deleted"] else store.versions.read_record(tenant, memory_id, head["v"], head["w"])
         if live is not None and not head["deleted"] and _unowned_item(store, live, now, report):
-            heads[(tenant, memory_id)] = parse_head(store._get_row(tier_key("h", tenant, memory_id)))
+            heads[(tenant, memory_id)] = parse_head(store.versions.get_row(tier_key("h", tenant, memory_id)))
             head = heads[(tenant, memory_id)]
             if head is None or head.get("erased"):
                 continue
@@ -107,12 +107,12 @@ def collect_garbage(store: MemoryStore, *, keep_model_fingerprint: str | None = 
                 continue  # not a key this layout writes (an earlier one's: check() moves those)
             # the heads were read before this scan; a memory written since is judged by its head now
             if _verdict(store, prefix, parts, heads.get((parts[1], parts[2])), now) != "keep":
-                raw_head, head = store._read_head(parts[1], parts[2])
+                raw_head, head = store.versions.read_head(parts[1], parts[2])
                 verdict = _verdict(store, prefix, parts, head, now)
                 if verdict == "free" or (verdict == "fence" and _fence(store, parts, raw_head, head)):
                     _free(store, key, report)
             elif prefix == BLOB_PREFIX and keep_model_fingerprint is not None:
-                raw = store._get_row(key)
+                raw = store.versions.get_row(key)
                 if raw is not None and blob_fingerprint(raw) != keep_model_fingerprint:
                     _free(store, key, report)
     return report
@@ -126,7 +126,7 @@ def _unowned_item(store: MemoryStore, record: MemoryRecord, now: float, report: 
     """
     if record.item is None or owns(store.tier, record, now) or now - record.created_at <= ORPHAN_GRACE_S:
         return False
-    raw_row = store._get_row(record.item)
+    raw_row = store.versions.get_row(record.item)
     if owns(store.tier, record, now) or not fence_row(store.tier, record.item, raw_row, now):
         return False  # named meanwhile, or the row moved under us: judged again next time
     try:
@@ -210,7 +210,7 @@ def check_store(store: MemoryStore) -> CheckReport:
             problem = f"fragment {key!r}: {exc}"
             report.problems.append(problem)
             store.tier.delete(key)
-            store._hot.delete(key)
+            store.hot.delete(key)
             report.repaired.append(f"{problem} (dropped; re-encoded from text on next use)")
     for key in list(store.tier.scan("ac/")):
         raw = _get_or_report(store, key, report)
@@ -219,7 +219,7 @@ def check_store(store: MemoryStore) -> CheckReport:
             report.problems.append(problem)
             store.tier.delete(key)
             report.repaired.append(f"{problem} (reset)")
-    strays = store.index.rebuild(states, store._read_log, store._index_state)
+    strays = store.index.rebuild(states, store.read_log, store.index_state)
     if strays:
         report.problems.append(f"index held {strays} points of no memory")
         report.repaired.append(f"removed {strays} stray index points")
@@ -245,7 +245,7 @@ def store_stats(store: MemoryStore, *, model_fingerprint: str | None = None) -> 
     }
     out["chunks"], out["chunk_bytes"] = store.tier.chunk_usage()
     for key in store.tier.scan("h/"):
-        head = parse_head(store._get_row(key))
+        head = parse_head(store.versions.get_row(key))
         if head is None:
             continue
         out["deleted" if head["deleted"] else "memories"] += 1
@@ -253,7 +253,7 @@ def store_stats(store: MemoryStore, *, model_fingerprint: str | None = None) -> 
     if model_fingerprint is not None:
         out["stale_fragments"] = 0
     for key in store.tier.scan(BLOB_PREFIX):
-        raw = store._get_row(key)
+        raw = store.versions.get_row(key)
         if raw is None:
             continue
         out["fragments"] += 1
@@ -284,7 +284,7 @@ def _verdict(store: MemoryStore, prefix: str, parts: list[str], head: dict | Non
         return "keep" if head is not None and version == head["v"] else "free"
     writer = parts[4]
     if head is not None and version <= head["v"]:
-        published = head["w"] if version == head["v"] else store._published_writer(tenant, memory_id, version)
+        published = head["w"] if version == head["v"] else store.versions.published_writer(tenant, memory_id, version)
         # superseded versions keep their text (history), not their embedding
         return "keep" if writer == published and (prefix == "r/" or version == head["v"]) else "free"
     # no head names it yet: a write in flight (the first version, or the next one), or abandoned
@@ -322,13 +322,13 @@ def _move_to_writer_keys(
     version, deleted = earlier["v"], bool(earlier.get("deleted"))
     writers = {}
     for old_version in range(1, version + 1):
-        raw = store._get_row(tier_key("r", tenant, memory_id, old_version))
+        raw = store.versions.get_row(tier_key("r", tenant, memory_id, old_version))
         if raw is not None:
             writers[old_version] = uuid.uuid4().hex
             store.tier.set(tier_key("r", tenant, memory_id, old_version, writers[old_version]), raw)
             if old_version < version:
                 store.tier.set(tier_key("p", tenant, memory_id, old_version), writers[old_version].encode())
-    live = store._read_record(tenant, memory_id, version, writers[version]) if version in writers else None
+    live = store.versions.read_record(tenant, memory_id, version, writers[version]) if version in writers else None
     if live is None:
         return None
     vector = store.embedder.embed([live.text])[0]
@@ -338,7 +338,7 @@ def _move_to_writer_keys(
     store.tier.append(LOG_KEY, log_entry(tenant, memory_id))
     new_head = head_bytes(version, writers[version], deleted=deleted)
     if not store.tier.compare_and_set(tier_key("h", tenant, memory_id), raw_head, new_head):
-        return parse_head(store._get_row(tier_key("h", tenant, memory_id)))  # another check() moved it first
+        return parse_head(store.versions.get_row(tier_key("h", tenant, memory_id)))  # another check() moved it first
     for old_version in range(1, version + 1):
         for kind in ("r", "e"):
             store.tier.delete(tier_key(kind, tenant, memory_id, old_version))
@@ -368,17 +368,17 @@ def _erase(store: MemoryStore, tenant: str, memory_id: str, head: dict, report: 
 
 
 def _free(store: MemoryStore, key: str, report: GCReport) -> None:
-    raw = store._get_row(key) if key.startswith(BLOB_PREFIX) else None
+    raw = store.versions.get_row(key) if key.startswith(BLOB_PREFIX) else None
     if store.tier.delete(key):
         report.freed_keys += 1
         if raw is not None:
             report.freed_fragments += 1
             report.freed_bytes += len(raw)
-    store._hot.delete(key)
+    store.hot.delete(key)
 
 
 def _abandoned(store: MemoryStore, tenant: str, memory_id: str, version: int, writer: str, now: float) -> bool:
     """Whether a write no head names is over (its writer was killed, or refused and killed
     before it cleaned up), rather than in flight in another process."""
-    record = store._read_record(tenant, memory_id, version, writer)
+    record = store.versions.read_record(tenant, memory_id, version, writer)
     return record is None or now - record.created_at > ORPHAN_GRACE_S

@@ -46,18 +46,17 @@ from .layout import (
     LOG_KEY,
     STORE_ID_KEY,
     VARIANT,
-    WRITER,
     float_or_none,
     head_bytes,
     log_entry,
     pack_embedding,
-    parse_head,
     tier_key,
     unpack_embedding,
 )
 from .maintenance import CheckReport, GCReport
 from .records import MemoryRecord, text_hash
 from .tiers import CHUNK_PREFIX, DEFAULT_CHUNK_BYTES, DEFAULT_CHUNK_TTL_S, HotTier, KVTier, open_tier
+from .versions import Versions
 
 __all__ = ["CheckReport", "GCReport", "MemoryStore"]
 
@@ -170,7 +169,10 @@ class MemoryStore:
         self.tier: KVTier = open_tier(
             tier_location, lock_timeout_s=float(lock_timeout_s), chunk_bytes=chunk_bytes, chunk_ttl_s=float(chunk_ttl_s)
         )
-        self._hot = HotTier(hot_bytes)
+        #: the fragment blobs this process keeps in RAM in front of the tier
+        self.hot = HotTier(hot_bytes)
+        #: the tier's version rows, read defensively (also by gc and check)
+        self.versions = Versions(self.tier)
         if embedder is None:
             embedder = MiniLMEmbedder()  # loads its weights (and torch) only when it first embeds
         self.embedder = as_embedder(embedder)
@@ -396,8 +398,8 @@ class MemoryStore:
                 tenant,
                 session_id,
                 limit,
-                self._read_log,
-                self._index_state,
+                self.read_log,
+                self.index_state,
                 terms=terms,
                 keyword_weight=self.keyword_weight,
             )
@@ -437,7 +439,7 @@ class MemoryStore:
         new_text = inputs.check_text(new_text, "new_text")
         if expected_version is not None:
             expected_version = inputs.check_positive_int(expected_version, "expected_version")
-        raw_head, head = self._read_head(tenant, memory_id)
+        raw_head, head = self.versions.read_head(tenant, memory_id)
         old = self._live_at(tenant, memory_id, head)
         if old is None or head is None:
             raise MemoryNotFoundError(f"no live memory {memory_id!r} for tenant {tenant!r}")
@@ -466,7 +468,7 @@ class MemoryStore:
         """
         tenant, _ = self._ids(tenant, None)
         memory_id = inputs.check_identifier(memory_id, "memory_id")
-        raw, head = self._read_head(tenant, memory_id)
+        raw, head = self.versions.read_head(tenant, memory_id)
         if head is None or head["deleted"]:
             return False
         self.tier.append(LOG_KEY, log_entry(tenant, memory_id))
@@ -484,17 +486,17 @@ class MemoryStore:
         """
         tenant, _ = self._ids(tenant, None)
         memory_id = inputs.check_identifier(memory_id, "memory_id")
-        _, head = self._read_head(tenant, memory_id)
+        _, head = self.versions.read_head(tenant, memory_id)
         last = self._live_at(tenant, memory_id, head)
         if last is None and head is not None and head["deleted"] and not head.get("erased"):
-            deleted = self._read_record(tenant, memory_id, head["v"], head["w"])
+            deleted = self.versions.read_record(tenant, memory_id, head["v"], head["w"])
             last = None if deleted is None else replace(deleted, status="deleted", fragment_source=self)
         if last is None or head is None:
             raise MemoryNotFoundError(f"no memory {memory_id!r} for tenant {tenant!r}")
         versions = []
         for version in range(1, last.version):
-            writer = self._published_writer(tenant, memory_id, version)
-            record = self._read_record(tenant, memory_id, version, writer) if writer else None
+            writer = self.versions.published_writer(tenant, memory_id, version)
+            record = self.versions.read_record(tenant, memory_id, version, writer) if writer else None
             if record is not None:
                 versions.append(replace(record, status="superseded", fragment_source=self))
         return [*versions, self._with_access(last)]
@@ -504,7 +506,7 @@ class MemoryStore:
         tenant, _ = self._ids(tenant, None)
         if not isinstance(source_text_hash, str) or not re.fullmatch(r"[0-9a-f]{64}", source_text_hash):
             raise InvalidInputError("source_text_hash must be 64 lowercase hex characters")
-        raw = self._get_row(tier_key("x", tenant, source_text_hash))
+        raw = self.versions.get_row(tier_key("x", tenant, source_text_hash))
         if raw is None:
             return None
         record = self._live(tenant, raw.decode("utf-8", "replace"))
@@ -558,7 +560,7 @@ class MemoryStore:
     def clear_cache(self) -> None:
         """Forget the fragment blobs held in this process's RAM, and the embedder's recent query
         vectors when it keeps any (measurements start cold with this)."""
-        self._hot.clear()
+        self.hot.clear()
         forget_queries = getattr(self.embedder, "clear_cache", None)
         if callable(forget_queries):
             forget_queries()
@@ -593,17 +595,17 @@ class MemoryStore:
         key = self._fragment_key(record, variant)
         if key is None:
             return None
-        blob = self._hot.get(key)
+        blob = self.hot.get(key)
         if blob is None:
             blob = self.tier.get(key)
             if blob is not None:
-                self._hot.set(key, blob)
+                self.hot.set(key, blob)
         return blob
 
     def has_fragment(self, record: MemoryRecord, variant: str) -> bool:
         """Whether a blob of ``record`` for ``variant`` is stored (without reading it)."""
         key = self._fragment_key(record, variant)
-        return key is not None and (self._hot.contains(key) or self.tier.contains(key))
+        return key is not None and (self.hot.contains(key) or self.tier.contains(key))
 
     def save_fragment(self, record: MemoryRecord, variant: str, blob: bytes) -> bool:
         """Keep a fragment blob for ``record``; ``False`` (nothing written) unless the record is live here."""
@@ -613,7 +615,7 @@ class MemoryStore:
         if key is None:
             return False
         self.tier.set(key, bytes(blob))
-        self._hot.set(key, bytes(blob))
+        self.hot.set(key, bytes(blob))
         return True
 
     def discard_fragment(self, record: MemoryRecord, variant: str, reason: str) -> None:
@@ -623,7 +625,7 @@ class MemoryStore:
             return
         self.corrupt_fragments += 1
         logger.warning("dropping corrupt fragment %s: %s", key, reason)
-        self._hot.delete(key)
+        self.hot.delete(key)
         self.tier.delete(key)
 
     def _fragment_key(self, record: Any, variant: str) -> str | None:
@@ -744,45 +746,13 @@ class MemoryStore:
         # after the head: a refused writer must not point a text at this memory (find_by_hash checks anyway)
         self.tier.set(tier_key("x", tenant, record.source_text_hash), memory_id.encode())
 
-    def _get_row(self, key: str) -> bytes | None:
-        """A row's value; ``None`` for a row the tier refuses (logged; ``check()`` reports it)."""
-        try:
-            return self.tier.get(key)
-        except CorruptRecordError as exc:
-            logger.warning("refusing %r: %s", key, exc)
-            return None
-
-    def _read_record(self, tenant: str, memory_id: str, version: int, writer: str) -> MemoryRecord | None:
-        raw = self._get_row(tier_key("r", tenant, memory_id, version, writer))
-        if raw is None:
-            return None
-        try:
-            record = MemoryRecord.from_json(raw)
-        except StoreError as exc:
-            logger.warning("unreadable record %s@%s of %r: %s", memory_id, version, tenant, exc)
-            return None
-        if (record.tenant, record.id, record.version) != (tenant, memory_id, version):
-            logger.warning("record under %s@%s of %r names another memory", memory_id, version, tenant)
-            return None
-        return record
-
-    def _published_writer(self, tenant: str, memory_id: str, version: int) -> str | None:
-        """The writer whose version ``version`` (below the head's) was published."""
-        raw = self._get_row(tier_key("p", tenant, memory_id, version))
-        writer = raw.decode("ascii", "replace") if raw else ""
-        return writer if WRITER.fullmatch(writer) else None
-
-    def _read_head(self, tenant: str, memory_id: str) -> tuple[bytes | None, dict | None]:
-        raw = self._get_row(tier_key("h", tenant, memory_id))
-        return raw, parse_head(raw)
-
     def _live(self, tenant: str, memory_id: str) -> MemoryRecord | None:
-        return self._live_at(tenant, memory_id, self._read_head(tenant, memory_id)[1])
+        return self._live_at(tenant, memory_id, self.versions.read_head(tenant, memory_id)[1])
 
     def _live_at(self, tenant: str, memory_id: str, head: dict | None) -> MemoryRecord | None:
         if head is None or head["deleted"]:
             return None
-        record = self._read_record(tenant, memory_id, head["v"], head["w"])
+        record = self.versions.read_record(tenant, memory_id, head["v"], head["w"])
         if record is None or record.is_expired(self.now()):
             return None
         if record.item is not None and not owns(self.tier, record, self.now()):
@@ -791,8 +761,8 @@ class MemoryStore:
 
     def _with_access(self, record: MemoryRecord) -> MemoryRecord:
         """``record`` with its access count and last access, read but not counted as an access."""
-        count = self._get_row(tier_key("ac", record.tenant, record.id))
-        last = self._get_row(tier_key("al", record.tenant, record.id))
+        count = self.versions.get_row(tier_key("ac", record.tenant, record.id))
+        last = self.versions.get_row(tier_key("al", record.tenant, record.id))
         return replace(
             record, access_count=int(count) if count and count.isdigit() else 0, last_access=float_or_none(last)
         )
@@ -807,20 +777,30 @@ class MemoryStore:
         self.tier.set(tier_key("al", record.tenant, record.id), repr(now).encode())
         return replace(record, access_count=count, last_access=now)
 
-    def _read_log(self, start: int) -> list[bytes]:
+    def read_log(self, start: int) -> list[bytes]:
+        """The store's change log from entry ``start`` on (what an index replays to catch up).
+
+        :raises StoreError: the tier failed.
+        """
         return self.tier.read_log(LOG_KEY, start)
 
-    def _index_state(self, tenant: str, memory_id: str) -> IndexedState | None:
-        head = self._read_head(tenant, memory_id)[1]
+    def index_state(self, tenant: str, memory_id: str) -> IndexedState | None:
+        """What the index should hold for a memory, read from its head: its version, session,
+        vector and keywords; no vector for a deleted, unindexed or unreadable one; ``None`` for
+        a memory with no head.
+
+        :raises StoreError: the tier failed.
+        """
+        head = self.versions.read_head(tenant, memory_id)[1]
         if head is None:
             return None
         if head["deleted"]:
             return IndexedState(head["v"], None, None)
-        record = self._read_record(tenant, memory_id, head["v"], head["w"])
+        record = self.versions.read_record(tenant, memory_id, head["v"], head["w"])
         if record is not None and not record.indexed:
             return IndexedState(head["v"], None, None)
         embedding = unpack_embedding(
-            self._get_row(tier_key("e", tenant, memory_id, head["v"], head["w"])), self.index.dimension
+            self.versions.get_row(tier_key("e", tenant, memory_id, head["v"], head["w"])), self.index.dimension
         )
         # an embedding of another text is never indexed: check() re-embeds it
         if record is None or embedding is None or embedding[0] != record.source_text_hash:
