@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import unicodedata
 from collections.abc import Sequence
 from typing import Any, Literal
@@ -18,6 +19,7 @@ __all__ = [
     "check_memories",
     "check_messages",
     "check_namespace",
+    "check_number",
     "check_positive_int",
     "check_ratio",
     "check_reuse",
@@ -277,38 +279,48 @@ def check_non_negative_int(value: Any, name: str) -> int:
     return value
 
 
+def check_number(
+    value: Any, name: str, low: float, high: float, *, low_open: bool = False, high_open: bool = False, unit: str = ""
+) -> float:
+    """``value`` as a float when it is a finite number (not a bool) between ``low`` and ``high``
+    (included unless ``low_open`` / ``high_open``).
+
+    :param unit: what the number counts, for the message (``"seconds"``).
+    :raises InvalidInputError: anything else, naming ``name`` and the interval.
+    """
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or not (low < value if low_open else low <= value)
+        or not (value < high if high_open else value <= high)
+    ):
+        interval = f"{'(' if low_open else '['}{low:g}, {high:g}{')' if high_open else ']'}"
+        raise InvalidInputError(f"{name} must be a number{f' of {unit}' if unit else ''} in {interval}, got {value!r}")
+    return float(value)
+
+
 def check_ttl(ttl_s: Any) -> float | None:
     """A time to live in seconds, or ``None`` (kept until deleted).
 
     :raises InvalidInputError: not a positive number (below 1e11).
     """
-    if ttl_s is None:
-        return None
-    if isinstance(ttl_s, bool) or not isinstance(ttl_s, (int, float)) or not 0 < ttl_s < 1e11:
-        raise InvalidInputError(f"ttl_s must be a positive number of seconds or None, got {ttl_s!r}")
-    return float(ttl_s)
+    return (
+        None if ttl_s is None else check_number(ttl_s, "ttl_s", 0, 1e11, low_open=True, high_open=True, unit="seconds")
+    )
 
 
 def check_ratio(value: Any, name: str = "recompute_ratio") -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0:
-        raise InvalidInputError(f"{name} must be a number in [0, 1], got {value!r}")
-    return float(value)
+    return check_number(value, name, 0, 1)
 
 
 def check_sampling(temperature: Any, top_p: Any, top_k: Any, seed: Any, repetition_penalty: Any = 1.0) -> None:
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not 0.0 <= temperature <= 100.0:
-        raise InvalidInputError(f"temperature must be a number in [0, 100], got {temperature!r}")
-    if isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0.0 < top_p <= 1.0:
-        raise InvalidInputError(f"top_p must be a number in (0, 1], got {top_p!r}")
+    check_number(temperature, "temperature", 0, 100)
+    check_number(top_p, "top_p", 0, 1, low_open=True)
     check_non_negative_int(top_k, "top_k (0: no limit)")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
         raise InvalidInputError(f"seed must be an int or None, got {seed!r}")
-    if (
-        isinstance(repetition_penalty, bool)
-        or not isinstance(repetition_penalty, (int, float))
-        or not 1.0 <= repetition_penalty <= 10.0
-    ):
-        raise InvalidInputError(f"repetition_penalty must be a number in [1, 10], got {repetition_penalty!r}")
+    check_number(repetition_penalty, "repetition_penalty", 1, 10)
 
 
 def check_stop(stop: Any) -> list[str]:

@@ -142,3 +142,30 @@ def test_bad_setting_values(tokenizer, override):
 
     with pytest.raises(InvalidInputError):
         EngineSettings(**override)
+
+
+@pytest.mark.parametrize(
+    "value, low_open, high_open, ok",
+    [
+        (0, False, False, True),
+        (1, False, False, True),
+        (0, True, False, False),
+        (1, False, True, False),
+        (0.5, True, True, True),
+        (float("nan"), False, False, False),
+        (float("inf"), False, False, False),
+        (True, False, False, False),
+        ("0.5", False, False, False),
+        (None, False, False, False),
+        (-0.01, False, False, False),
+    ],
+)
+def test_one_number_check_for_every_bounded_setting(value, low_open, high_open, ok):
+    from kvshift_memory.inputs import check_number
+
+    if ok:
+        assert check_number(value, "x", 0, 1, low_open=low_open, high_open=high_open) == float(value)
+    else:
+        interval = f"{'(' if low_open else '['}0, 1{')' if high_open else ']'}"
+        with pytest.raises(InvalidInputError, match=rf"x must be a number of s in \{interval[0]}0, 1\{interval[-1]}"):
+            check_number(value, "x", 0, 1, low_open=low_open, high_open=high_open, unit="s")

@@ -68,9 +68,7 @@ class AgentSettings:
         inputs.check_ratio(self.importance_weight, "importance_weight")
         inputs.check_ratio(self.session_weight, "session_weight")
         for name in ("recall_min_score", "correction_min_score"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not -1.0 <= value <= 1.0:
-                raise InvalidInputError(f"{name} must be a number in [-1, 1], got {value!r}")
+            inputs.check_number(getattr(self, name), name, -1, 1)
         for name in ("write_back", "resume"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidInputError(f"{name} must be True or False, not {getattr(self, name)!r}")
@@ -78,9 +76,4 @@ class AgentSettings:
             raise InvalidInputError(f"reuse must be one of {inputs.REUSE_MODES}, got {self.reuse!r}")
         if self.recompute_ratio is not None:
             inputs.check_ratio(self.recompute_ratio)
-        if (
-            isinstance(self.busy_timeout_s, bool)
-            or not isinstance(self.busy_timeout_s, (int, float))
-            or self.busy_timeout_s < 0
-        ):
-            raise InvalidInputError(f"busy_timeout_s must be a number >= 0, got {self.busy_timeout_s!r}")
+        inputs.check_number(self.busy_timeout_s, "busy_timeout_s", 0, 1e9, unit="seconds")

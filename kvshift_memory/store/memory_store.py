@@ -143,20 +143,9 @@ class MemoryStore:
             in_ram = kv_url is not None and str(kv_url).startswith("memory://")
             chunk_bytes = _RAM_CHUNK_BYTES if in_ram else DEFAULT_CHUNK_BYTES
         inputs.check_non_negative_int(chunk_bytes, "chunk_bytes")
-        if isinstance(chunk_ttl_s, bool) or not isinstance(chunk_ttl_s, (int, float)) or not 1 <= chunk_ttl_s <= 1e9:
-            raise InvalidInputError(f"chunk_ttl_s must be a number of seconds in [1, 1e9], got {chunk_ttl_s!r}")
-        if (
-            isinstance(lock_timeout_s, bool)
-            or not isinstance(lock_timeout_s, (int, float))
-            or not 0 < lock_timeout_s <= 3600
-        ):
-            raise InvalidInputError(f"lock_timeout_s must be a number of seconds in (0, 3600], got {lock_timeout_s!r}")
-        if (
-            isinstance(keyword_weight, bool)
-            or not isinstance(keyword_weight, (int, float))
-            or not 0 <= keyword_weight <= 10
-        ):
-            raise InvalidInputError(f"keyword_weight must be a number in [0, 10], got {keyword_weight!r}")
+        inputs.check_number(chunk_ttl_s, "chunk_ttl_s", 1, 1e9, unit="seconds")
+        inputs.check_number(lock_timeout_s, "lock_timeout_s", 0, 3600, low_open=True, unit="seconds")
+        inputs.check_number(keyword_weight, "keyword_weight", 0, 10)
         self.keyword_weight = float(keyword_weight)
         self.codec, self.group_size = codec, group_size
         if path is not None:

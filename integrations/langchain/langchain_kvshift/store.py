@@ -66,7 +66,7 @@ from langgraph.store.base import (
 )
 from langgraph.store.base.embed import ensure_embeddings, get_text_at_path, tokenize_path
 
-from kvshift_memory import InvalidInputError, KVShiftError, MemoryStore
+from kvshift_memory import InvalidInputError, KVShiftError, MemoryStore, inputs
 from kvshift_memory.adapters import Item as StoredItem
 from kvshift_memory.adapters import (
     delete_item,
@@ -128,13 +128,9 @@ def _matches(value: dict[str, Any], conditions: dict[str, Any] | None) -> bool:
 
 
 def _check_minutes(value: Any, name: str) -> float | None:
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= _MAX_TTL_MINUTES:
-        raise InvalidInputError(
-            f"{name} is a positive number of minutes (at most {_MAX_TTL_MINUTES:g}) or None, got {value!r}"
-        )
-    return float(value)
+    return (
+        None if value is None else inputs.check_number(value, name, 0, _MAX_TTL_MINUTES, low_open=True, unit="minutes")
+    )
 
 
 def _check_fields(fields: Any, name: str) -> tuple[str, ...]:
