@@ -41,7 +41,7 @@ and :class:`~kvshift_memory.protocols.Store`.
 
 from __future__ import annotations
 
-from .agent.recall import archive, archived_text, forget_closest, last_sentence, recall
+from .agent.recall import RECALL, RecallSettings, archive, archived_text, forget_closest, last_sentence, recall
 from .agent.writeback import FEATURES, Decision, WriteBackModel, explicit_request, turn_features
 from .chat_turns import (
     CONSTRAINED_REPETITION_PENALTY,
@@ -88,6 +88,8 @@ __all__ = [
     "Engine",
     "Item",
     "MarkedSpan",
+    "RECALL",
+    "RecallSettings",
     "Store",
     "TOOL_LAYOUTS",
     "ToolLayout",

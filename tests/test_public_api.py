@@ -55,6 +55,8 @@ ADAPTERS = {
     "Decision",
     "Engine",
     "MarkedSpan",
+    "RECALL",
+    "RecallSettings",
     "Store",
     "TOOL_LAYOUTS",
     "ToolLayout",
@@ -163,3 +165,30 @@ def test_store_layer_imports_neither_torch_nor_the_engine():
     )
     for path in [*(root / "store").rglob("*.py"), root / "blobs.py"]:
         assert not pattern.search(path.read_text()), path
+
+
+def test_every_door_recalls_with_one_policy():
+    """The agent and each adapter take their recall defaults from ``adapters.RECALL``."""
+    import inspect
+
+    from kvshift_memory import AgentSettings, adapters
+    from langchain_kvshift import KVShiftMemory, KVShiftMiddleware
+    from llama_index.memory.kvshift import KVShiftMemory as LlamaMemory
+    from llama_index.memory.kvshift import KVShiftMemoryBlock
+
+    policy = adapters.RECALL
+    settings = AgentSettings()
+    assert (settings.recall_k, settings.recall_min_score) == (policy.k, policy.min_score)
+    assert (settings.importance_weight, settings.session_weight) == (policy.importance_weight, policy.session_weight)
+    middleware = inspect.signature(KVShiftMiddleware.__init__).parameters
+    assert (middleware["recall_k"].default, middleware["recall_min_score"].default) == (policy.k, policy.min_score)
+    for model in (KVShiftMemory, LlamaMemory, KVShiftMemoryBlock):
+        fields = model.model_fields
+        assert (fields["recall_k"].default, fields["recall_min_score"].default) == (policy.k, policy.min_score), model
+    recall = inspect.signature(adapters.recall).parameters
+    assert [recall[name].default for name in ("k", "min_score", "importance_weight", "session_weight")] == [
+        policy.k,
+        policy.min_score,
+        policy.importance_weight,
+        policy.session_weight,
+    ]

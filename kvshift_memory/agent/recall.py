@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Collection
+from dataclasses import dataclass
 from typing import Any
 
 from ..exceptions import VersionConflictError
@@ -19,6 +20,7 @@ from .corrections import corrects, is_correction_cue
 from .writeback import Decision, WriteBackModel, explicit_request, forget_subject, is_question_only
 
 __all__ = [
+    "RECALL",
     "FORGET_MARGIN",
     "FORGET_MIN_SCORE",
     "MAX_ARCHIVED_CHARS",
@@ -27,6 +29,7 @@ __all__ = [
     "find_correction",
     "forget_closest",
     "last_sentence",
+    "RecallSettings",
     "recall",
     "similarity",
     "store_once",
@@ -51,6 +54,28 @@ _QUESTION_CONTEXT_CHARS = 400
 _SENTENCE_END = re.compile(r"(?<=[.!?])\s+")
 
 
+@dataclass(frozen=True)
+class RecallSettings:
+    """How a turn recalls a user's memories, whichever door it comes through (the agent, the
+    LangChain middleware and chain memory, the LlamaIndex memory and block take their defaults
+    from :data:`RECALL`, so a memory ranks the same way in each).
+
+    :param k: memories recalled per message at most.
+    :param min_score: a memory less similar than this to the message is not recalled.
+    :param importance_weight: how much a memory's importance adds to its similarity when ranking.
+    :param session_weight: how much being from the current session adds to it.
+    """
+
+    k: int = 4
+    min_score: float = 0.3
+    importance_weight: float = 0.1
+    session_weight: float = 0.05
+
+
+#: the recall policy every door shares by default
+RECALL = RecallSettings()
+
+
 def similarity(hit: MemoryRecord) -> float:
     """A search hit's score (a record that came from no search ranks below every hit)."""
     return hit.score if hit.score is not None else float("-inf")
@@ -63,10 +88,10 @@ def recall(
     user_id: str,
     session_id: str | None = None,
     exclude: Collection[tuple[str, int]] = (),
-    k: int = 4,
-    min_score: float = 0.3,
-    importance_weight: float = 0.1,
-    session_weight: float = 0.05,
+    k: int = RECALL.k,
+    min_score: float = RECALL.min_score,
+    importance_weight: float = RECALL.importance_weight,
+    session_weight: float = RECALL.session_weight,
 ) -> list[Any]:
     """The memories of ``user_id`` to recall for ``query``, most relevant last (nearest the question).
 

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from .. import inputs
 from ..exceptions import InvalidInputError
+from .recall import RECALL
 
 __all__ = ["AgentSettings"]
 
@@ -44,10 +45,10 @@ class AgentSettings:
     """
 
     system_prompt: str | None = None
-    recall_k: int = 4
-    recall_min_score: float = 0.3
-    importance_weight: float = 0.1
-    session_weight: float = 0.05
+    recall_k: int = RECALL.k
+    recall_min_score: float = RECALL.min_score
+    importance_weight: float = RECALL.importance_weight
+    session_weight: float = RECALL.session_weight
     window_tokens: int = 2048
     window_keep: float = 0.6
     max_new_tokens: int = 96

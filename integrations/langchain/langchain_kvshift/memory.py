@@ -17,7 +17,7 @@ from langchain_classic.base_memory import BaseMemory
 from pydantic import ConfigDict, Field, PrivateAttr
 
 from kvshift_memory import InvalidInputError, MemoryStore
-from kvshift_memory.adapters import WriteBackModel, archive, last_sentence, recall, render_memories
+from kvshift_memory.adapters import RECALL, WriteBackModel, archive, last_sentence, recall, render_memories
 
 __all__ = ["KVShiftMemory"]
 
@@ -46,8 +46,8 @@ class KVShiftMemory(BaseMemory):
     human_prefix: str = "Human"
     ai_prefix: str = "AI"
     memories_header: str = "What you remember about the user:"
-    recall_k: int = 4
-    recall_min_score: float = 0.3
+    recall_k: int = RECALL.k
+    recall_min_score: float = RECALL.min_score
     write_back: bool = True
     _turns: list[tuple[list[Any], str, str]] = PrivateAttr(default_factory=list)  # (recalled, human, ai)
     _recalled: list[Any] = PrivateAttr(default_factory=list)  # what the last input recalled, for its turn

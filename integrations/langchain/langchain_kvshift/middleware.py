@@ -26,7 +26,15 @@ from langchain_core.messages import AIMessage, HumanMessage
 from langgraph.runtime import Runtime
 
 from kvshift_memory import InvalidInputError, MemoryStore
-from kvshift_memory.adapters import WriteBackModel, archive, last_sentence, parse_markers, recall, render_memories
+from kvshift_memory.adapters import (
+    RECALL,
+    WriteBackModel,
+    archive,
+    last_sentence,
+    parse_markers,
+    recall,
+    render_memories,
+)
 from langchain_kvshift.chat_models import ChatKVShift
 from langchain_kvshift.store import KVShiftStore
 
@@ -56,8 +64,8 @@ class KVShiftMiddleware(AgentMiddleware):
         user_id: str | None = None,
         session_id: str | None = None,
         *,
-        recall_k: int = 4,
-        recall_min_score: float = 0.3,
+        recall_k: int = RECALL.k,
+        recall_min_score: float = RECALL.min_score,
         memories_header: str = "What you remember about the user:",
         write_back: bool = True,
     ) -> None:

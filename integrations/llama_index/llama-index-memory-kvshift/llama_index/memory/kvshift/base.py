@@ -31,7 +31,15 @@ from llama_index.core.storage.chat_store import BaseChatStore, SimpleChatStore
 from pydantic import ConfigDict, Field, PrivateAttr
 
 from kvshift_memory import InvalidInputError, KVShiftEngine, MemoryRecord, MemoryStore
-from kvshift_memory.adapters import WriteBackModel, archive, last_sentence, recall, render_memories, strip_markers
+from kvshift_memory.adapters import (
+    RECALL,
+    WriteBackModel,
+    archive,
+    last_sentence,
+    recall,
+    render_memories,
+    strip_markers,
+)
 
 __all__ = ["KVShiftMemory"]
 
@@ -89,8 +97,8 @@ class KVShiftMemory(BaseMemory):
     session_id: str
     token_limit: int = Field(default=2048, gt=0)
     window_keep: float = Field(default=0.6, gt=0.0, le=1.0)
-    recall_k: int = Field(default=4, gt=0)
-    recall_min_score: float = 0.3
+    recall_k: int = Field(default=RECALL.k, gt=0)
+    recall_min_score: float = RECALL.min_score
     memories_header: str = "What you remember about the user:"
     write_back: bool = True
     model: str | None = None

@@ -28,6 +28,7 @@ from pydantic import ConfigDict, Field, PrivateAttr
 
 from kvshift_memory import InvalidInputError, MemoryRecord, MemoryStore
 from kvshift_memory.adapters import (
+    RECALL,
     Decision,
     WriteBackModel,
     archive,
@@ -64,8 +65,8 @@ class KVShiftMemoryBlock(BaseMemoryBlock[str]):
     description: str | None = Field(default="What the user said in earlier sessions, recalled by relevance.")
     store: MemoryStore = Field(exclude=True)
     user_id: str
-    recall_k: int = Field(default=4, gt=0)
-    recall_min_score: float = 0.3
+    recall_k: int = Field(default=RECALL.k, gt=0)
+    recall_min_score: float = RECALL.min_score
     memories_header: str = "What you remember about the user:"
     write_back: bool = True
     _rule: WriteBackModel = PrivateAttr(default_factory=WriteBackModel.bundled)
