@@ -73,10 +73,10 @@ def run_demo(store_path: str | None = None, max_new_tokens: int = 32) -> int:
                     f"{reply.message[:66]:<66} {s.prompt_tokens:>6} {s.reused_tokens:>6} {new:>4} "
                     f"{reply.ttft_s * 1000:>5.0f}ms  {note}"
                 )
-            corrected = next((r for r in rows if r.corrected is not None), None)
+            corrected = next((r.corrected for r in rows if r.corrected is not None), None)
             if corrected is not None:
                 print("\nhistory of the corrected memory:")
-                for version in planning.history(corrected.corrected.id):
+                for version in planning.history(corrected.id):
                     print(f"  v{version.version} [{version.status}] {version.text}")
 
             print("\n== session 1 resumed after a restart ==")

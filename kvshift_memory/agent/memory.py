@@ -41,6 +41,7 @@ from typing import Any, Literal, overload
 from .. import inputs
 from ..exceptions import InvalidInputError, MemoryNotFoundError, SessionBusyError
 from ..protocols import ChunkStore, Engine, Store
+from ..store.records import MemoryRecord
 from .recall import (
     archive,
     archived_text,
@@ -110,7 +111,7 @@ class AgentMemory:
 
     # ------------------------------------------------------------------ memories
 
-    def add(self, text: str, *, importance_score: float = 0.5) -> Any:
+    def add(self, text: str, *, importance_score: float = 0.5) -> MemoryRecord:
         """Store ``text`` as a memory of this user and session, and encode its fragment now when a
         recall would shift it in (under ``"auto"``, a memory long enough for that to pay).
 
@@ -127,7 +128,7 @@ class AgentMemory:
             self._warm([record])
         return record
 
-    def add_document(self, text: str, *, source: str | None = None, max_tokens: int = 200) -> list[Any]:
+    def add_document(self, text: str, *, source: str | None = None, max_tokens: int = 200) -> list[MemoryRecord]:
         """Store a long text (a brief, notes, a past conversation) as memories of this user and
         session, cut at ``max_tokens`` of the model's tokens (:meth:`MemoryStore.add_document`),
         and encode the fragments of the parts a recall would shift in, once, now.
@@ -150,7 +151,7 @@ class AgentMemory:
                 self._warm([part])
         return parts
 
-    def correct(self, text: str, memory_id: str | None = None) -> tuple[Any, Any]:
+    def correct(self, text: str, memory_id: str | None = None) -> tuple[MemoryRecord, MemoryRecord]:
         """Supersede a memory with ``text``: the given one, or the stored memory closest to ``text``.
 
         The old version stays in :meth:`history` and is never recalled again.
@@ -177,7 +178,7 @@ class AgentMemory:
         self._warm([new])
         return target, new
 
-    def forget(self, text_or_id: str) -> Any:
+    def forget(self, text_or_id: str) -> MemoryRecord:
         """Delete a memory of this user: the one with this id, or the one closest to this text.
 
         The memory is tombstoned (:meth:`history` shows it deleted), never recalled again, also
@@ -239,7 +240,7 @@ class AgentMemory:
     def __exit__(self, *exc_info: object) -> None:
         self.close()
 
-    def observe(self, text: str) -> Any:
+    def observe(self, text: str) -> MemoryRecord | None:
         """Write back a turn the agent did not answer: an imported transcript, another participant.
 
         The turn is classified like a chat turn; it does not enter the working window and nothing
@@ -260,7 +261,7 @@ class AgentMemory:
         finally:
             self._release()
 
-    def history(self, memory_id: str) -> list[Any]:
+    def history(self, memory_id: str) -> list[MemoryRecord]:
         """Every version of a memory of this user, oldest first."""
         return self.store.history(memory_id, tenant=self.user_id)
 

@@ -4,9 +4,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from ..store.records import MemoryRecord
 from .writeback import Decision
+
+if TYPE_CHECKING:  # the engine's package brings torch: a type here only
+    from ..engine.results import ReuseStats
 
 __all__ = ["STREAM_END", "Reply", "ReplyStream", "StreamFailure", "Turn", "TurnPlan"]
 
@@ -60,13 +64,13 @@ class Reply:
 
     message: str
     text: str
-    stats: Any
-    recalled: list[Any] = field(default_factory=list)
+    stats: ReuseStats
+    recalled: list[MemoryRecord] = field(default_factory=list)
     decision: Decision = "window"
     importance: float = 0.0
-    archived: Any = None
-    corrected: Any = None
-    forgotten: Any = None
+    archived: MemoryRecord | None = None
+    corrected: MemoryRecord | None = None
+    forgotten: MemoryRecord | None = None
     evicted_turns: int = 0
     retrieval_s: float = 0.0
     finish_reason: str = "stop"
