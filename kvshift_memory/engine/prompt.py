@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import secrets
 import threading
 from collections import OrderedDict
@@ -418,11 +419,13 @@ def build_layout(
         return first is not None and first[0][:1].isspace()
 
     text = _render(tokens.tokenizer, rendered_messages, spaced, tools)
-    for key, (content, is_memory, _) in list(contents.items()):
-        quoted = json.dumps(key)
-        if not is_memory and key not in text and quoted in text:
-            # a template that writes a content as JSON (Llama 3.1 a tool's result): that JSON, our tokens
-            text = text.replace(quoted, sentinel(json.dumps(content, ensure_ascii=False)))
+
+    def as_json(quoted: re.Match[str]) -> str:
+        found = contents.get(f"\x00{quoted[1]}\x00")
+        return quoted[0] if found is None or found[1] else sentinel(json.dumps(found[0], ensure_ascii=False))
+
+    # a template that writes a content as JSON (Llama 3.1 a tool's result): that JSON, in our tokens
+    text = re.sub(rf'"\\u0000({tag}:\d+)\\u0000"', as_json, text)
 
     ids: list[int] = []
     spans: list[FragmentSpan] = []

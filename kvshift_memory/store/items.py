@@ -308,10 +308,11 @@ def refresh_item(store: MemoryStore, item: Item) -> Item:
 
 
 def _refreshed(store: MemoryStore, row_key: str, raw: bytes | None, item: Item) -> Item:
-    row = _parse_row(raw, store.now())
+    now = store.now()
+    row = _parse_row(raw, now)
     if item.ttl_s is None or row is None or row["id"] != item.memory.id:
         return item
-    expires_at = store.now() + item.ttl_s
+    expires_at = now + item.ttl_s
     if store.tier.compare_and_set(row_key, raw, json.dumps({**row, "expires_at": expires_at}).encode("utf-8")):
         return replace(item, expires_at=expires_at)
     return item
