@@ -33,7 +33,7 @@ under :func:`tool_call_grammar` and read by :func:`parse_tool_calls`; :func:`clo
 our own layout's parts :func:`tools_instructions`, :func:`format_tool_calls`,
 :func:`tool_response`), structured answers
 (:func:`schema_instructions`, :func:`with_system_text`, :data:`CONSTRAINED_REPETITION_PENALTY`) and reply token ids
-(:func:`plausible_reply_ids`).
+(:func:`plausible_reply_ids`); :func:`is_call_name`: a framework's call id or tool name the engine takes.
 
 The engine and store an adapter is given are typed by :class:`~kvshift_memory.protocols.Engine`
 and :class:`~kvshift_memory.protocols.Store`.
@@ -57,6 +57,7 @@ from .chat_turns import (
     tools_instructions,
     with_system_text,
 )
+from .inputs import is_call_name
 from .markers import (
     MarkedSpan,
     marked_user_message,
@@ -104,6 +105,7 @@ __all__ = [
     "format_tool_calls",
     "get_item",
     "in_document_order",
+    "is_call_name",
     "item_of",
     "item_tenants",
     "last_sentence",

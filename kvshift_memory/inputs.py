@@ -28,6 +28,7 @@ __all__ = [
     "check_text",
     "check_tools",
     "check_ttl",
+    "is_call_name",
 ]
 
 REUSE_MODES = ("auto", "none", "prefix", "blend")
@@ -153,8 +154,14 @@ _MESSAGE_KEYS = {
 }
 
 
+def is_call_name(value: Any) -> bool:
+    """Whether ``value`` can name a tool or a call (a tool call's ``name`` or ``id``, a result's
+    ``tool_call_id``): a non-blank string of at most :data:`MAX_NAME_CHARS`, without NUL."""
+    return isinstance(value, str) and bool(value.strip()) and len(value) <= MAX_NAME_CHARS and "\x00" not in value
+
+
 def _check_name(value: Any, what: str) -> str:
-    if not isinstance(value, str) or not value.strip() or len(value) > MAX_NAME_CHARS or "\x00" in value:
+    if not is_call_name(value):
         raise InvalidInputError(f"{what} is a non-empty string of at most {MAX_NAME_CHARS} characters, got {value!r}")
     return value
 

@@ -54,6 +54,14 @@ def later(store: MemoryStore, seconds: float) -> None:
     store.tier.now = lambda: real_now(store.tier) + seconds  # type: ignore[method-assign]
 
 
+def clock_ahead(store: MemoryStore, monkeypatch: pytest.MonkeyPatch) -> list[float]:
+    """Move the store's own clock (what an item's expiry is judged by): set ``[0]`` to the seconds ahead."""
+    ahead = [0.0]
+    real_now = store.now
+    monkeypatch.setattr(store, "now", lambda: real_now() + ahead[0])
+    return ahead
+
+
 def test_a_put_replaces_the_memory_and_the_row_is_the_truth(make_store):
     store = make_store(embedder=HashEmbedder())
     first = put_item(store, "alice", ("notes",), "city", {"text": "Alice lives in Porto."}, "Alice lives in Porto.")
@@ -209,9 +217,7 @@ def test_an_items_ttl_lives_in_its_row_by_the_stores_clock(make_store, monkeypat
     import json
 
     store = make_store(embedder=HashEmbedder())
-    ahead = [0.0]
-    real_now = store.now
-    monkeypatch.setattr(store, "now", lambda: real_now() + ahead[0])
+    ahead = clock_ahead(store, monkeypatch)
     item = put_item(
         store, "alice", ("m",), "trip", {"text": "Alice flies on Friday."}, "Alice flies on Friday.", ttl_s=60
     )
@@ -245,9 +251,7 @@ def test_an_items_ttl_lives_in_its_row_by_the_stores_clock(make_store, monkeypat
 
 def test_sweep_removes_only_expired_items_and_a_put_after_expiry_starts_over(make_store, monkeypatch):
     store = make_store(embedder=HashEmbedder())
-    ahead = [0.0]
-    real_now = store.now
-    monkeypatch.setattr(store, "now", lambda: real_now() + ahead[0])
+    ahead = clock_ahead(store, monkeypatch)
     old = put_item(store, "alice", ("m",), "old", {"text": "Short lived."}, "Short lived.", ttl_s=60)
     put_item(store, "bob", ("m",), "kept", {"text": "Bob stays."}, "Bob stays.")
     ahead[0] = 120

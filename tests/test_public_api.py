@@ -69,6 +69,7 @@ ADAPTERS = {
     "forget_closest",
     "format_tool_calls",
     "in_document_order",
+    "is_call_name",
     "last_sentence",
     "marked_user_message",
     "parse_markers",

@@ -43,13 +43,14 @@ from kvshift_memory import GenerationResult, Grammar, InvalidInputError, KVShift
 from kvshift_memory.adapters import (
     CONSTRAINED_REPETITION_PENALTY,
     context_window,
+    is_call_name,
     marked_user_message,
     plausible_reply_ids,
     schema_instructions,
     strip_markers,
     with_system_text,
 )
-from langchain_kvshift.tool_calls import closed_schema, engine_calls, message_id, parse_tool_calls, tool_call_grammar
+from langchain_kvshift.tool_calls import closed_schema, engine_calls, parse_tool_calls, tool_call_grammar
 
 __all__ = ["ChatKVShift"]
 
@@ -130,9 +131,9 @@ def to_engine_messages(
             turns.append(marked_user_message(text, store, tenant=user_id, session_id=session_id))
         elif _ROLES[role] == "tool":
             result: dict[str, Any] = {"role": "tool", "content": strip_markers(text)}
-            if isinstance(message, ToolMessage) and message_id(message.tool_call_id):
+            if isinstance(message, ToolMessage) and is_call_name(message.tool_call_id):
                 result["tool_call_id"] = message.tool_call_id
-            if message_id(message.name):
+            if is_call_name(message.name):
                 result["name"] = message.name
             turns.append(result)
         else:
@@ -156,8 +157,9 @@ class ChatKVShift(BaseChatModel):
 
     Constructing one loads nothing: the engine loads on the first call (or is given).
 
-    :param model: a shipped model's name (``"gemma-3-270m"``), a Hugging Face id (from the local
-        cache) or folder; ``None`` for the bundled SmolLM2-135M-Instruct.
+    :param model: a shipped model's name (``"gemma-3-270m"``), a Hugging Face id (downloaded as
+        transformers does unless ``HF_HUB_OFFLINE`` is set) or folder; ``None`` for the bundled
+        SmolLM2-135M-Instruct.
     :param device: ``"cpu"``, ``"cuda"``, ``"cuda:1"``, ``"mps"``; ``None``: the CPU.
     :param dtype: ``"auto"`` (the checkpoint's own), ``"float32"``, ``"bfloat16"`` or ``"float16"``.
     :param model_kwargs: more of :meth:`KVShiftEngine.from_pretrained`'s options (engine settings

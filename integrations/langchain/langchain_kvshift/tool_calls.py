@@ -17,18 +17,9 @@ from langchain_core.messages import ToolCall
 from langchain_core.messages.tool import tool_call
 
 from kvshift_memory import adapters
-from kvshift_memory.adapters import ToolLayout, closed_schema, tool_call_grammar
+from kvshift_memory.adapters import ToolLayout, closed_schema, is_call_name, tool_call_grammar
 
-__all__ = ["closed_schema", "engine_calls", "message_id", "parse_tool_calls", "tool_call_grammar"]
-
-_MAX_ID_CHARS = 256
-
-
-def message_id(value: Any) -> str | None:
-    """A call id a message carries, when the engine can take it (a framework's messages are
-    untrusted: another value is left out, never an error that loses the turn)."""
-    ok = isinstance(value, str) and value.strip() and len(value) <= _MAX_ID_CHARS and "\x00" not in value
-    return value if ok else None
+__all__ = ["closed_schema", "engine_calls", "parse_tool_calls", "tool_call_grammar"]
 
 
 def engine_calls(calls: Sequence[ToolCall]) -> list[dict[str, Any]]:
@@ -36,7 +27,7 @@ def engine_calls(calls: Sequence[ToolCall]) -> list[dict[str, Any]]:
     converted = []
     for call in calls:
         entry: dict[str, Any] = {"name": call["name"], "arguments": call["args"]}
-        if message_id(call.get("id")):
+        if is_call_name(call.get("id")):
             entry["id"] = call["id"]
         converted.append(entry)
     return converted

@@ -45,6 +45,7 @@ from pydantic import ConfigDict, Field, PrivateAttr
 from kvshift_memory import GenerationResult, GenerationStream, Grammar, InvalidInputError, KVShiftEngine, MemoryStore
 from kvshift_memory.adapters import (
     CONSTRAINED_REPETITION_PENALTY,
+    is_call_name,
     marked_user_message,
     parse_tool_calls,
     strip_markers,
@@ -53,7 +54,6 @@ from kvshift_memory.adapters import (
 
 __all__ = ["KVShiftLLM"]
 
-_MAX_ID_CHARS = 256
 
 _ROLES = {
     MessageRole.SYSTEM: "system",
@@ -93,7 +93,7 @@ def to_engine_messages(
         elif role == "tool":
             result: dict[str, Any] = {"role": "tool", "content": strip_markers(text)}
             for key in ("tool_call_id", "name"):
-                if _usable_id(message.additional_kwargs.get(key)):
+                if is_call_name(message.additional_kwargs.get(key)):
                     result[key] = message.additional_kwargs[key]
             turns.append(result)
         else:
@@ -103,12 +103,6 @@ def to_engine_messages(
                 turn["tool_calls"] = calls
             turns.append(turn)
     return ([{"role": "system", "content": "\n\n".join(system)}] if system else []) + turns
-
-
-def _usable_id(value: Any) -> bool:
-    """Whether a message's call id or tool name can go to the engine (a framework's messages are
-    untrusted: another value is left out, never an error that loses the turn)."""
-    return isinstance(value, str) and bool(value.strip()) and len(value) <= _MAX_ID_CHARS and "\x00" not in value
 
 
 def _call_of(block: ToolCallBlock) -> dict[str, Any]:
@@ -121,7 +115,7 @@ def _call_of(block: ToolCallBlock) -> dict[str, Any]:
         except json.JSONDecodeError:
             arguments = {}
     call = {"name": block.tool_name, "arguments": arguments if isinstance(arguments, dict) else {}}
-    return call | ({"id": block.tool_call_id} if _usable_id(block.tool_call_id) else {})
+    return call | ({"id": block.tool_call_id} if is_call_name(block.tool_call_id) else {})
 
 
 def _tool_choice(choice: Any, required: bool) -> str | None:
@@ -144,8 +138,9 @@ def _tool_choice(choice: Any, required: bool) -> str | None:
 class KVShiftLLM(FunctionCallingLLM):
     """A local transformers model that prefills only what it has not read before.
 
-    :param model: a shipped model's name (``"gemma-3-270m"``), a Hugging Face id (from the local
-        cache) or folder; ``None`` for the bundled SmolLM2-135M-Instruct.
+    :param model: a shipped model's name (``"gemma-3-270m"``), a Hugging Face id (downloaded as
+        transformers does unless ``HF_HUB_OFFLINE`` is set) or folder; ``None`` for the bundled
+        SmolLM2-135M-Instruct.
     :param device: ``"cpu"``, ``"cuda"``, ``"cuda:1"``, ``"mps"``; ``None``: the CPU.
     :param dtype: ``"auto"`` (the checkpoint's own), ``"float32"``, ``"bfloat16"`` or ``"float16"``.
     :param model_kwargs: more of :meth:`KVShiftEngine.from_pretrained`'s options (engine settings
