@@ -64,7 +64,7 @@ def last_token_attention(engine: KVShiftEngine, prepared, ids: torch.Tensor) -> 
     """
     n = ids.numel()
     capture: list[torch.Tensor] = []
-    engine.forward(
+    engine.runner.forward(
         prepared.cache,
         ids[n - 1 :],
         ForwardStep(torch.tensor([n - 1]), n, capture=capture, capture_queries=1),
@@ -111,15 +111,15 @@ def measure(engine: KVShiftEngine, instance) -> dict[str, dict[str, list[float]]
     memories = list(instance.memories)
     engine.clear_cache(fragments=False)
     engine.warm(memories, messages)
-    plan = engine.plan(messages, memories, reuse="blend")
+    plan = engine.planner.plan(messages, memories, reuse="blend")
     layout = plan.layout
-    lead_read = reads_lead(engine, layout, layout.fragments[0])
+    lead_read = reads_lead(engine.runner, layout, layout.fragments[0])
     engine.clear_cache(fragments=False)
-    full = engine.prefill(replace(plan, reuse="none"))
+    full = engine.runner.prefill(replace(plan, reuse="none"))
     full_mass = last_token_attention(engine, full, layout.token_ids)
     del full
     engine.clear_cache(fragments=False)
-    blend = engine.prefill(plan)
+    blend = engine.runner.prefill(plan)
     blend_mass = last_token_attention(engine, blend, layout.token_ids)
     recomputed = blend.recomputed if blend.recomputed is not None else torch.zeros(layout.length, dtype=torch.bool)
     parts = part_slots(layout, instance, recomputed, lead_read)
@@ -183,7 +183,7 @@ def main() -> None:
     for index, instance in enumerate(instances):
         per_instance.append(measure(engine, instance))
         print(f"  [{index + 1}/{len(instances)}] {instance.question[:60]!r}", flush=True)
-    summary = summarise(per_instance, engine.num_layers)
+    summary = summarise(per_instance, engine.runner.num_layers)
     print(
         f"\nattention share of the prompt's last token ({len(instances)} LoCoMo instances, "
         f"recompute_ratio {engine.settings.recompute_ratio:g}, recompute_window {engine.settings.recompute_window})"

@@ -209,7 +209,7 @@ def run_dataset(
     leaks: list[dict] = []
     names = context_names(engine)
     story = context_words(engine)
-    eos = sorted(engine.eos_token_ids)[0]
+    eos = sorted(engine.runner.eos_token_ids)[0]
     budget = engine.count_tokens(engine.settings.encode_context)
     contexts_with_answer = 0
     for index, instance in enumerate(instances):
@@ -307,7 +307,7 @@ def run_dataset(
                             {"instance": index, "condition": name, "words": sorted(leaked), "answer": own.text}
                         )
             rows[name].append(row)
-        layout = engine.plan(messages, memories, reuse="blend", recompute_ratio=0.0).layout
+        layout = engine.planner.plan(messages, memories, reuse="blend", recompute_ratio=0.0).layout
         span_tokens = sum(span.end - span.start for span in layout.fragments)
         for name in conditions:
             rows[name][-1]["recomputed_share"] = rows[name][-1]["recomputed"] / span_tokens

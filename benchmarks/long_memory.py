@@ -112,7 +112,7 @@ def run_model(name: str, args, embedder: MiniLMEmbedder) -> dict:
             recalled = store.search(qa["question"], tenant=user, k=args.k)
             texts = [record.text for record in recalled]
             messages = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": qa["question"]}]
-            plan = engine.plan(messages, recalled, namespace=user)
+            plan = engine.planner.plan(messages, recalled, namespace=user)
             row: dict = {
                 "question": qa["question"],
                 "answer": qa["answer"],
@@ -128,7 +128,7 @@ def run_model(name: str, args, embedder: MiniLMEmbedder) -> dict:
             row["default_right"] = contains_answer(default.text, str(qa["answer"]))
             row["greedy_match"] = default.token_ids == reference.token_ids
             row["default_memory_reuse"] = default.stats.memory_reuse
-            continuation = reference.token_ids or [min(engine.eos_token_ids)]  # an empty answer: its end
+            continuation = reference.token_ids or [min(engine.runner.eos_token_ids)]  # an empty answer: its end
             full = engine.score(
                 messages, recalled, continuation, reuse="none", return_distributions=True, namespace=user
             )

@@ -79,7 +79,7 @@ def conversation(engine: KVShiftEngine, tokens: int) -> list[dict[str, Any]]:
             messages[-1]["content"] += "\n" + text
         else:
             messages.append({"role": role, "content": text})
-        if messages[-1]["role"] == "user" and engine.plan(messages).layout.length > tokens:
+        if messages[-1]["role"] == "user" and engine.planner.plan(messages).layout.length > tokens:
             messages.pop()
             break
     while messages[-1]["role"] != "user":

@@ -151,7 +151,7 @@ def part_fidelity(engine, embedder, count, report) -> None:
     scores: dict[str, dict[str, list[tuple[float, float]]]] = {c: {k: [] for k in CODECS[1:]} for c in conditions}
     for index, instance in enumerate(instances):
         reference_answer = engine.generate(instance.question, list(instance.memories), reuse="none", max_new_tokens=32)
-        continuation = reference_answer.token_ids or [sorted(engine.eos_token_ids)[0]]
+        continuation = reference_answer.token_ids or [sorted(engine.runner.eos_token_ids)[0]]
         # the fp32 fragments are encoded once (here) and stored in every codec: one store each
         engine.clear_cache()
         engine.warm(list(instance.memories), QUESTION)

@@ -280,6 +280,16 @@ def check_positive_int(value: Any, name: str) -> int:
     return value
 
 
+def check_optional_bool(value: Any, name: str) -> bool | None:
+    """``True``, ``False`` or ``None`` (left to a setting).
+
+    :raises InvalidInputError: anything else, naming ``name``.
+    """
+    if value is not None and not isinstance(value, bool):
+        raise InvalidInputError(f"{name} must be True, False or None, not {value!r}")
+    return value
+
+
 def check_non_negative_int(value: Any, name: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise InvalidInputError(f"{name} must be an int >= 0, got {value!r}")

@@ -137,7 +137,7 @@ def shift_errors(model, scheme, delta: int) -> tuple[list[float], float]:
 
 def first_logits(engine, messages, memories=None, reuse="none", ratio=None) -> torch.Tensor:
     """The next-token logits after the prompt, under ``reuse``."""
-    return engine.prefill(engine.plan(messages, memories, reuse=reuse, recompute_ratio=ratio)).logits
+    return engine.runner.prefill(engine.planner.plan(messages, memories, reuse=reuse, recompute_ratio=ratio)).logits
 
 
 def partition_holds(stats) -> bool:

@@ -40,7 +40,7 @@ def _agent(engine, store, session="trip", user="alice", **settings):
 def _window_prompt_ids(agent):
     """The token ids the agent's next prompt starts with: its window, as the engine lays it out."""
     messages = [m for turn in agent._window for m in turn.messages()]
-    return agent.engine.plan(messages, reuse="prefix").layout.token_ids
+    return agent.engine.planner.plan(messages, reuse="prefix").layout.token_ids
 
 
 # `<|im_end|>\n<|im_start|>user\n` ... `<|im_end|>\n<|im_start|>assistant\n` (assistant is 2 tokens), and the previous
@@ -414,9 +414,9 @@ def test_a_long_document_is_stored_in_parts_and_shifted_in_by_default(bundled_en
     assert reply.stats.memory_reuse.count("shifted") >= len(recalled_parts)
     assert reply.stats.fragments_missed == 0 and reply.stats.encoded_tokens == 0
     short = agent.add("Tea, no sugar.")  # too short for shifting to pay: no fragment encoded for it
-    assert not bundled_engine.fragments.available(
-        bundled_engine.plan("q", [short], namespace=agent.user_id).layout,
-        bundled_engine.plan("q", [short], namespace=agent.user_id).layout.fragments[0],
+    assert not bundled_engine.runner.fragments.available(
+        bundled_engine.planner.plan("q", [short], namespace=agent.user_id).layout,
+        bundled_engine.planner.plan("q", [short], namespace=agent.user_id).layout.fragments[0],
     )
     with pytest.raises(InvalidInputError):
         agent.add_document("  ")

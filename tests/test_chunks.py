@@ -70,12 +70,12 @@ def test_the_next_turn_restores_the_answer_too(tmp_path, tokenizer):
     store = _store(tmp_path)
     engine = _engine(tokenizer)
     first = _written(engine, store)
-    said = torch.cat([engine.plan(QUESTION, namespace="alice").layout.token_ids, torch.tensor(first.token_ids)])
+    said = torch.cat([engine.planner.plan(QUESTION, namespace="alice").layout.token_ids, torch.tensor(first.token_ids)])
     turn = [*QUESTION, {"role": "assistant", "content": first.text, "token_ids": first.token_ids}]
     turn.append({"role": "user", "content": "And flat 4?"})
     later = _engine(tokenizer)
     stored_until = said.numel() - 1  # full chunks and the tail; the answer's last token has no K/V yet
-    assert torch.equal(later.plan(turn, namespace="alice").layout.token_ids[: said.numel()], said)
+    assert torch.equal(later.planner.plan(turn, namespace="alice").layout.token_ids[: said.numel()], said)
     restored = later.generate(turn, kv_store=store, namespace="alice", max_new_tokens=4)
     assert restored.stats.restored_tokens == stored_until
 
@@ -85,8 +85,8 @@ def _row(engine, store, namespace: str, index: int) -> str:
     from kvshift_memory.engine.chunks import _chain, _key
     from kvshift_memory.store.layout import tier_key
 
-    ids = engine.plan(QUESTION, namespace=namespace).layout.token_ids
-    digest = _chain(engine.chunks.identity(store, namespace), ids, CHUNK, index + 1)[index + 1]  # after it
+    ids = engine.planner.plan(QUESTION, namespace=namespace).layout.token_ids
+    digest = _chain(engine.runner.chunks.identity(store, namespace), ids, CHUNK, index + 1)[index + 1]  # after it
     return tier_key("c", namespace, _key(digest, exact=True))
 
 

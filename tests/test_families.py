@@ -138,8 +138,8 @@ def test_conditional_generation_models_shift_through_their_text_decoder(kind, to
 
     model = vision_language(kind)
     engine = KVShiftEngine(model, tokenizer)
-    assert engine.position_scheme.shiftable, engine.position_scheme.reason
-    key_errors, logit_error = shift_errors(model, engine.position_scheme, 500)
+    assert engine.runner.position_scheme.shiftable, engine.runner.position_scheme.reason
+    key_errors, logit_error = shift_errors(model, engine.runner.position_scheme, 500)
     key_error = max(key_errors)
     assert key_error <= 1e-4 and logit_error <= 1e-3
     blended = engine.generate("What is the budget?", MEMORIES, max_new_tokens=4)
@@ -174,7 +174,7 @@ def test_a_decoder_without_a_rotary_module_falls_back_with_a_reason(tokenizer):
 @pytest.mark.model
 @pytest.mark.parametrize("delta", (*DELTAS, 8000))
 def test_shift_is_exact_on_the_bundled_model(bundled_engine, delta):
-    key_errors, logit_error = shift_errors(bundled_engine.model, bundled_engine.position_scheme, delta)
+    key_errors, logit_error = shift_errors(bundled_engine.model, bundled_engine.runner.position_scheme, delta)
     key_error = max(key_errors)
     print(f"bundled model, delta {delta}: relative key error {key_error:.1e}, logit error {logit_error:.1e}")
     assert key_error <= 1e-4

@@ -20,25 +20,25 @@ from kvshift_memory.kv.cache import ShiftCache
 def test_warm_encodes_once(tiny_engine):
     tiny_engine.clear_cache()
     assert tiny_engine.warm(MEMORIES, "q") == len(MEMORIES)
-    assert len(tiny_engine.fragments) == 2 * len(MEMORIES)  # each memory's lead fragment too
+    assert len(tiny_engine.runner.fragments) == 2 * len(MEMORIES)  # each memory's lead fragment too
     assert tiny_engine.warm(MEMORIES, "q") == 0
     result = tiny_engine.generate("q", MEMORIES, reuse="blend", max_new_tokens=1)
     assert result.stats.fragments_hit == len(MEMORIES)
     tiny_engine.clear_cache()
     assert tiny_engine.warm(MEMORIES, "q", lead_fragments=False) == len(MEMORIES)
-    assert len(tiny_engine.fragments) == len(MEMORIES)
+    assert len(tiny_engine.runner.fragments) == len(MEMORIES)
     with pytest.raises(InvalidInputError):
         tiny_engine.warm(MEMORIES, "q", lead_fragments="yes")
 
 
 def _slot_kv(engine: KVShiftEngine, messages, memories, reuse, ratio=None) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    plan = engine.plan(messages, memories, reuse=reuse, recompute_ratio=ratio)
-    return engine.prefill(plan).cache.view(0, plan.layout.length)
+    plan = engine.planner.plan(messages, memories, reuse=reuse, recompute_ratio=ratio)
+    return engine.runner.prefill(plan).cache.view(0, plan.layout.length)
 
 
 def _span_error(engine: KVShiftEngine, memories, index: int) -> float:
     """Largest |ΔK| over memory ``index``'s slots between the shifted prompt (warmed, no repair) and full recompute."""
-    layout = engine.plan("q", memories, reuse="blend", recompute_ratio=0.0).layout
+    layout = engine.planner.plan("q", memories, reuse="blend", recompute_ratio=0.0).layout
     span = layout.fragments[index]
     full = _slot_kv(engine, "q", memories, "none")
     engine.clear_cache(fragments=False)
@@ -78,7 +78,7 @@ def test_a_lead_fragment_is_not_encoded_at_question_time_when_the_ordinary_one_i
     cold = tiny_engine.generate("q", MEMORIES, reuse="blend", recompute_ratio=0.0, max_new_tokens=1).stats
     assert cold.fragments_missed == len(MEMORIES) and partition_holds(cold)
     assert cold.encoded_tokens == sum(tiny_engine.count_tokens(f"{memory}\n") for memory in MEMORIES)
-    assert len(tiny_engine.fragments) == len(MEMORIES) + 1
+    assert len(tiny_engine.runner.fragments) == len(MEMORIES) + 1
     assert _span_error(tiny_engine, MEMORIES, 0) < 1e-5
 
 
@@ -86,12 +86,12 @@ def test_memories_in_a_user_message_or_after_a_fixed_system_message_have_no_lead
     tiny_engine.clear_cache()
     tiny_engine.warm(MEMORIES, "q")
     messages = [{"role": "user", "content": "q", "memories": MEMORIES}]
-    layout = tiny_engine.plan(messages, reuse="blend", recompute_ratio=0.0).layout
+    layout = tiny_engine.planner.plan(messages, reuse="blend", recompute_ratio=0.0).layout
     assert not reads_lead(tiny_engine, layout, layout.fragments[0])
     tiny_engine.clear_cache()
     fixed = "You remember what the user told you."
     tiny_engine.warm(MEMORIES, "q", fragments_after=fixed)
-    assert len(tiny_engine.fragments) == len(MEMORIES)  # its conditioning is not this prompt's start
+    assert len(tiny_engine.runner.fragments) == len(MEMORIES)  # its conditioning is not this prompt's start
 
 
 def test_fragments_encoded_after_a_fixed_system_message_serve_any_system_message(tiny_engine):
@@ -134,7 +134,7 @@ def test_encode_context_per_call_keys_the_fragments(tiny_engine):
     # an empty context: fragments follow the system message alone, so no lead fragment is needed
     tiny_engine.clear_cache()
     assert tiny_engine.warm(MEMORIES, "q", encode_context="") == len(MEMORIES)
-    assert len(tiny_engine.fragments) == len(MEMORIES)
+    assert len(tiny_engine.runner.fragments) == len(MEMORIES)
 
 
 DIALOGUES = [
@@ -146,8 +146,8 @@ DIALOGUES = [
 
 
 def _fragments_by_memory(engine: KVShiftEngine, memories) -> list:
-    layout = engine.plan("q", memories, reuse="blend", recompute_ratio=0.0).layout
-    by_tokens = {fragment.token_ids: fragment for fragment in engine.fragments.values()}
+    layout = engine.planner.plan("q", memories, reuse="blend", recompute_ratio=0.0).layout
+    by_tokens = {fragment.token_ids: fragment for fragment in engine.runner.fragments.values()}
     return [by_tokens[span.token_ids] for span in layout.fragments]
 
 
@@ -212,7 +212,7 @@ def test_bad_encode_context_is_refused_before_anything_changes(tiny_engine, bad)
     ):
         with pytest.raises(InvalidInputError, match="encode_context"):
             call()
-    assert len(tiny_engine.fragments) == 0 and len(tiny_engine.prefix_cache) == 0
+    assert len(tiny_engine.runner.fragments) == 0 and len(tiny_engine.runner.prefix_cache) == 0
 
 
 def test_encode_context_too_long_for_the_window(tiny_engine):
@@ -220,19 +220,19 @@ def test_encode_context_too_long_for_the_window(tiny_engine):
     long_context = "memory " * (tiny_engine.max_positions - 20)
     with pytest.raises(ContextOverflowError, match="encode context"):
         tiny_engine.warm(MEMORIES, "q", encode_context=long_context)
-    assert len(tiny_engine.fragments) == 0
+    assert len(tiny_engine.runner.fragments) == 0
     # a question is answered all the same, by exact prefix reuse, and says why
     result = tiny_engine.generate("q", MEMORIES, reuse="blend", max_new_tokens=3, encode_context=long_context)
     assert result.stats.reuse == "prefix" and "encode context" in result.stats.fallback_reason
     tiny_engine.clear_cache()
     assert result.token_ids == tiny_engine.generate("q", MEMORIES, reuse="none", max_new_tokens=3).token_ids
-    assert len(tiny_engine.fragments) == 0
+    assert len(tiny_engine.runner.fragments) == 0
 
 
 def test_generation_does_not_mutate_cached_fragments(tiny_engine):
     tiny_engine.clear_cache()
     tiny_engine.warm(MEMORIES, "q")
-    fragments = list(tiny_engine.fragments.values())  # lead and ordinary fragments
+    fragments = list(tiny_engine.runner.fragments.values())  # lead and ordinary fragments
     before = [tuple(t.clone() for t in f.keys + f.values) for f in fragments]
     tiny_engine.generate("q", MEMORIES, reuse="blend", recompute_ratio=0.5, max_new_tokens=4)
     for old, fragment in zip(before, fragments, strict=True):
@@ -256,13 +256,13 @@ def test_a_memory_said_in_a_turn_takes_its_fragment_from_the_turns_kv(tokenizer,
     engine = KVShiftEngine(tiny_model(TINY_CONFIGS[family]()), tokenizer)
     engine.generate(TURN, reuse="prefix", max_new_tokens=1)
     assert engine.warm([MEMORIES[0]], lead_fragments=False, from_turn=TURN) == 1
-    (fragment,) = engine.fragments.values()
-    turn_ids = engine.plan(TURN, reuse="prefix").layout.token_ids
+    (fragment,) = engine.runner.fragments.values()
+    turn_ids = engine.planner.plan(TURN, reuse="prefix").layout.token_ids
     start, n = fragment.base_position, fragment.n_tokens
     assert turn_ids.numel() - 10 < start + n < turn_ids.numel()  # the last message, not the encode context
     ids = torch.cat([turn_ids[:start], torch.tensor(fragment.token_ids)])
-    cache = ShiftCache(engine.num_layers, ids.numel(), engine.device)
-    engine.prefill_exact(cache, ids, 0, ids.numel(), logits="none")
+    cache = ShiftCache(engine.runner.num_layers, ids.numel(), engine.device)
+    engine.runner.prefill_exact(cache, ids, 0, ids.numel(), logits="none")
     for (keys, values), cut_keys, cut_values in zip(
         cache.view(start, start + n), fragment.keys, fragment.values, strict=True
     ):
@@ -276,11 +276,11 @@ def test_a_memory_the_turn_does_not_hold_or_no_longer_cached_is_encoded(tiny_eng
     def base_of_warmed(memory, namespace=None) -> int:
         tiny_engine.clear_cache(prefixes=False)
         assert tiny_engine.warm([memory], lead_fragments=False, from_turn=TURN, namespace=namespace) == 1
-        return next(iter(tiny_engine.fragments.values())).base_position
+        return next(iter(tiny_engine.runner.fragments.values())).base_position
 
     tiny_engine.clear_cache()
     encoded_at = base_of_warmed(MEMORIES[1])  # another text: encoded after the encode context
-    layout = tiny_engine.plan("q", MEMORIES[1:2], reuse="blend").layout
+    layout = tiny_engine.planner.plan("q", MEMORIES[1:2], reuse="blend").layout
     assert encoded_at == layout.encoded_after(layout.fragments[0]).numel()
     tiny_engine.generate(TURN, reuse="prefix", max_new_tokens=1, namespace="alice")
     assert base_of_warmed(MEMORIES[1], "alice") == encoded_at
@@ -295,7 +295,7 @@ def test_a_malformed_turn_is_refused_and_nothing_is_warmed(tiny_engine, turn):
     tiny_engine.clear_cache()
     with pytest.raises(InvalidInputError):
         tiny_engine.warm(MEMORIES[:1], from_turn=turn)
-    assert len(tiny_engine.fragments) == 0
+    assert len(tiny_engine.runner.fragments) == 0
 
 
 LONG_MEMORIES = [
@@ -344,8 +344,8 @@ def test_auto_shifts_a_long_memory_and_recomputes_a_short_one(tiny_engine):
     assert blend.memory_reuse == ["shifted", "shifted", "shifted"]  # asked for, every fragment is shifted
     # only short ones: nothing pays for shifting, so one exact pass
     tiny_engine.clear_cache(fragments=False)
-    plan = tiny_engine.plan(OTHER_SYSTEM, [SHORT_MEMORY, MEMORIES[0]])
-    short = tiny_engine.prefill(plan)
+    plan = tiny_engine.planner.plan(OTHER_SYSTEM, [SHORT_MEMORY, MEMORIES[0]])
+    short = tiny_engine.runner.prefill(plan)
     assert short.stats.memory_reuse == ["recomputed", "recomputed"]
     assert (short.logits - first_logits(tiny_engine, OTHER_SYSTEM, [SHORT_MEMORY, MEMORIES[0]])).abs().max() < 1e-4
 
@@ -371,10 +371,10 @@ def test_a_cold_miss_is_computed_with_the_question_and_encoded_after_the_answer(
     tiny_engine.clear_cache()
     reference = first_logits(tiny_engine, OTHER_SYSTEM, LONG_MEMORIES)
     tiny_engine.clear_cache()
-    plan = tiny_engine.plan(OTHER_SYSTEM, LONG_MEMORIES)
-    cold = tiny_engine.prefill(plan)
+    plan = tiny_engine.planner.plan(OTHER_SYSTEM, LONG_MEMORIES)
+    cold = tiny_engine.runner.prefill(plan)
     assert cold.stats.memory_reuse == ["missed", "missed"] and cold.stats.encoded_tokens == 0
-    assert len(tiny_engine.fragments) == 0  # nothing encoded at question time: the miss is full recompute
+    assert len(tiny_engine.runner.fragments) == 0  # nothing encoded at question time: the miss is full recompute
     assert (cold.logits - reference).abs().max() < 1e-4
     answered = tiny_engine.generate(OTHER_SYSTEM, LONG_MEMORIES, max_new_tokens=2).stats
     assert answered.fragments_missed == 2 and answered.encoded_tokens > 0  # after the answer, for the next call
@@ -402,7 +402,7 @@ def test_memories_a_separator_apart_are_placed_as_one_run(tiny_engine):
     tiny_engine.clear_cache()
     reference = first_logits(tiny_engine, messages, reuse="none")
     tiny_engine.warm(LONG_MEMORIES, lead_fragments=False)
-    layout = tiny_engine.plan(messages).layout
+    layout = tiny_engine.planner.plan(messages).layout
     assert 0 < layout.fragments[1].start - layout.fragments[0].end <= 2
     stats = tiny_engine.generate(messages, reuse="blend", recompute_ratio=0.0, max_new_tokens=1).stats
     assert stats.memory_reuse == ["shifted", "shifted"] and partition_holds(stats)

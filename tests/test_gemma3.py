@@ -29,7 +29,7 @@ def test_loads_by_name_with_a_table_per_rope_base(gemma_engine):
     model = gemma_engine.model
     config = model.config.get_text_config(decoder=True)
     assert type(model).__name__ == "Gemma3ForCausalLM" and config.sliding_window == 512
-    scheme = gemma_engine.position_scheme
+    scheme = gemma_engine.runner.position_scheme
     assert scheme.shiftable, scheme.reason
     sliding = [i for i, kind in enumerate(config.layer_types) if kind == "sliding_attention"]
     full = [i for i, kind in enumerate(config.layer_types) if kind == "full_attention"]
@@ -62,7 +62,7 @@ def float64_angles(gemma_engine, monkeypatch):
 @pytest.mark.parametrize("delta", (37, 2000, 8000))
 def test_shift_is_exact_on_every_layer_type(gemma_engine, float64_angles, delta):
     config = gemma_engine.model.config.get_text_config(decoder=True)
-    key_errors, logit_error = shift_errors(gemma_engine.model, gemma_engine.position_scheme, delta)
+    key_errors, logit_error = shift_errors(gemma_engine.model, gemma_engine.runner.position_scheme, delta)
     by_type = {
         kind: max(error for error, layer in zip(key_errors, config.layer_types, strict=True) if layer == kind)
         for kind in ("sliding_attention", "full_attention")
@@ -95,7 +95,7 @@ def test_a_fragment_beyond_the_sliding_window_gives_full_recompute_logits(gemma_
     them, the full layers do, in the blend exactly as in full recompute."""
     messages = _long_conversation(600, gemma_engine)
     expected = first_logits(gemma_engine, messages, MEMORIES, reuse="none")
-    layout = gemma_engine.plan(messages, MEMORIES, reuse="blend").layout
+    layout = gemma_engine.planner.plan(messages, MEMORIES, reuse="blend").layout
     assert layout.length - layout.tail_start > 512
     recomputed = first_logits(gemma_engine, messages, MEMORIES, reuse="blend", ratio=1.0)
     assert (recomputed - expected).abs().max() <= 1e-3

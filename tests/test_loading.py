@@ -84,7 +84,7 @@ def test_a_local_folder_loads_like_a_hub_id(tmp_path, tokenizer):
     model.save_pretrained(tmp_path)
     tokenizer.save_pretrained(tmp_path)
     engine = KVShiftEngine.from_pretrained(tmp_path)
-    assert engine.position_scheme.shiftable
+    assert engine.runner.position_scheme.shiftable
     assert engine.generate("hi", ["a memory"], max_new_tokens=2).stats.reuse == "blend"
 
 

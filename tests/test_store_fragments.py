@@ -70,9 +70,9 @@ def test_lead_fragments_are_stored_beside_the_ordinary_ones_and_fetched_for_the_
         cold(bundled_engine, store)
         stats = bundled_engine.generate(QUESTION, order, max_new_tokens=1, **SHIFT_ONLY).stats
         assert (stats.fragments_loaded, stats.fragments_missed, stats.encoded_tokens) == (4, 0, 0)
-        layout = bundled_engine.plan(QUESTION, order, reuse="blend", recompute_ratio=0.0).layout
+        layout = bundled_engine.planner.plan(QUESTION, order, reuse="blend", recompute_ratio=0.0).layout
         lead_digest = layout.context_digest(layout.fragments[0], lead=True)
-        loaded = list(bundled_engine.fragments.values())
+        loaded = list(bundled_engine.runner.fragments.values())
         assert [f.token_ids for f in loaded if f.context_digest == lead_digest] == [layout.fragments[0].token_ids]
 
 

@@ -1,6 +1,6 @@
 """The blend: memories' cached fragments placed in the prompt, and a chosen share of their tokens recomputed.
 
-Each fragment is RoPE-shifted to its slot in the prompt (:meth:`KVShiftEngine.place`). Its K/V
+Each fragment is RoPE-shifted to its slot in the prompt (:meth:`ModelRunner.place <.runner.ModelRunner.place>`). Its K/V
 was computed without the other memories before it, so the question is run once over the shifted
 cache and the fragment tokens the question attends to most are recomputed in full context: the
 tokens the question reads are the ones whose missing cross-fragment context would change the
@@ -26,7 +26,7 @@ from .results import ReuseStats
 from .settings import EngineSettings
 
 if TYPE_CHECKING:
-    from .engine import KVShiftEngine
+    from .passes import ModelPasses
 
 __all__ = ["choose_recompute", "last_adjacent_run", "lead_possible", "prefill_blend", "reads_lead", "recompute_count"]
 
@@ -39,7 +39,7 @@ _SEPARATOR_TOKENS = 8
 
 @torch.inference_mode()
 def prefill_blend(
-    engine: KVShiftEngine,
+    runner: ModelPasses,
     cache: ShiftCache,
     layout: PromptLayout,
     ratio: float,
@@ -53,7 +53,7 @@ def prefill_blend(
     memories placed from their fragments and repaired, then the question.
 
     A memory with no cached fragment is computed in the pass that runs the question, as full
-    recompute would (its fragment is encoded after the answer: :meth:`KVShiftEngine.encode_missed`),
+    recompute would (its fragment is encoded after the answer: ``ModelRunner.encode_missed``),
     so a miss never costs an encoding at question time. With ``auto``, a memory too short for
     shifting to pay is recomputed exactly too.
 
@@ -63,36 +63,36 @@ def prefill_blend(
     """
     ids, n = layout.token_ids, layout.length
     first, tail = new_spans[0].start, layout.tail_start
-    lead = new_spans[:1] if reads_lead(engine, layout, new_spans[0]) else []
+    lead = new_spans[:1] if reads_lead(runner, layout, new_spans[0]) else []
     shifted_spans = new_spans[len(lead) :]
-    origins = {id(span): _planned_origin(engine, layout, span, auto) for span in shifted_spans}
+    origins = {id(span): _planned_origin(runner, layout, span, auto) for span in shifted_spans}
     to_shift = [span for span in shifted_spans if origins[id(span)] == "shifted"]
     shifted_total = sum(span.end - span.start for span in to_shift)
     if not lead and (
         not to_shift
-        or recompute_count(engine.settings, shifted_total, ratio) >= shifted_total
-        or (auto and shifted_total < engine.settings.min_recompute_tokens + n - tail)
+        or recompute_count(runner.settings, shifted_total, ratio) >= shifted_total
+        or (auto and shifted_total < runner.settings.min_recompute_tokens + n - tail)
     ):
         # Nothing worth shifting: one exact pass, without fetching fragments or ranking their
         # tokens first (which made short prompts slower than full recompute); the answer is
         # full recompute's.
-        logits = engine.prefill_exact(cache, ids, reused, n)
+        logits = runner.prefill_exact(cache, ids, reused, n)
         recomputed = torch.zeros(n, dtype=torch.bool, device="cpu")
         for span in new_spans:
             recomputed[span.start : span.end] = True
             if origins[id(span)] == "shifted":
                 origins[id(span)] = "recomputed"
-        _count(engine, layout, stats, new_spans, origins, recomputed)
+        _count(runner, layout, stats, new_spans, origins, recomputed)
         stats.recomputed_tokens = int(recomputed.sum())
         stats.prefilled_tokens = n - reused - stats.recomputed_tokens
         return PreparedPrompt(cache, logits[-1], stats, exact_until, recomputed, _unencoded(new_spans, origins))
-    engine.prefill_exact(cache, ids, reused, first, logits="none")
+    runner.prefill_exact(cache, ids, reused, first, logits="none")
     placed: list[FragmentSpan] = []
     fragments: list[Fragment] = []
     for spans, is_lead in ((lead, True), (to_shift, False)):
         if not spans:
             continue
-        found, found_origins = engine.fragments.find(layout, spans, lead=is_lead)
+        found, found_origins = runner.fragments.find(layout, spans, lead=is_lead)
         for span, fragment, origin in zip(spans, found, found_origins, strict=True):
             origins[id(span)] = origin if fragment is None else ("lead" if is_lead else "shifted")
             if fragment is not None:
@@ -100,19 +100,19 @@ def prefill_blend(
                 fragments.append(fragment)
                 stats.fragments_loaded += origin == "store"
     if placed:
-        engine.place(cache, placed, fragments)
+        runner.place(cache, placed, fragments)
     shifted = [span for span in placed if origins[id(span)] == "shifted"]
     # computed in the repair pass below: the memories not shifted, and the separators between memories
     inline = [(s.start, s.end) for s in new_spans if origins[id(s)] not in ("lead", "shifted")]
     inline += [(a.end, b.start) for a, b in zip(new_spans, new_spans[1:], strict=False) if b.start > a.end]
     for start, end in inline:  # the selection pass must read no garbage there
-        for layer in range(engine.num_layers):
+        for layer in range(runner.num_layers):
             keys, values = cache.buffer(layer)
             keys[..., start:end, :].zero_()
             values[..., start:end, :].zero_()
     exact_until = min(exact_until, first)  # not past a lead fragment: one from a store went through its codec
     candidate_total = sum(span.end - span.start for span in shifted)
-    count = min(recompute_count(engine.settings, candidate_total, ratio), candidate_total)
+    count = min(recompute_count(runner.settings, candidate_total, ratio), candidate_total)
     forced = (
         torch.cat([torch.arange(start, end, device="cpu") for start, end in inline])
         if inline
@@ -128,11 +128,11 @@ def prefill_blend(
             n,
             capture=capture,
             capture_queries=_SELECTION_QUERIES,
-            local_window=engine.settings.recompute_window,
+            local_window=runner.settings.recompute_window,
             local_before=n - _SELECTION_QUERIES,
             anchor=layout.anchor_length,
         )
-        engine.forward(cache, ids[tail:n], selection, logits="none")
+        runner.forward(cache, ids[tail:n], selection, logits="none")
         chosen = choose_recompute(capture, [(s.start, s.end) for s in shifted], count)
         chosen = torch.cat([chosen, forced]).sort().values
     else:
@@ -145,34 +145,34 @@ def prefill_blend(
             # recomputing every fragment token is a full recompute: no window, so it is exact
             local_window=None
             if chosen.numel() == tail - first - sum(s.end - s.start for s in lead)
-            else engine.settings.recompute_window,
+            else runner.settings.recompute_window,
             local_before=tail,
             anchor=layout.anchor_length,
         )
-        logits = engine.forward(cache, ids[queries], step)
+        logits = runner.forward(cache, ids[queries], step)
     else:
-        logits = engine.prefill_exact(cache, ids, tail, n)
+        logits = runner.prefill_exact(cache, ids, tail, n)
     recomputed = torch.zeros(n, dtype=torch.bool, device="cpu")
     recomputed[chosen] = True
-    _count(engine, layout, stats, new_spans, origins, recomputed)
+    _count(runner, layout, stats, new_spans, origins, recomputed)
     stats.recomputed_tokens = int(chosen.numel())
     stats.prefilled_tokens = (first - reused) + (n - tail)
     return PreparedPrompt(cache, logits[-1], stats, exact_until, recomputed, _unencoded(new_spans, origins))
 
 
-def _planned_origin(engine: KVShiftEngine, layout: PromptLayout, span: FragmentSpan, auto: bool) -> str:
+def _planned_origin(runner: ModelPasses, layout: PromptLayout, span: FragmentSpan, auto: bool) -> str:
     """What a memory not read from its lead fragment will get, before anything is loaded:
     ``"shifted"`` (a fragment is cached), ``"recomputed"`` (shifting would not pay) or ``"missed"``."""
-    if auto and span.end - span.start < engine.settings.min_recompute_tokens:
+    if auto and span.end - span.start < runner.settings.min_recompute_tokens:
         return "recomputed"  # the repair alone would recompute as many tokens: exact costs no more
-    if source_of(span) is not None and engine.costs.recompute_cheaper(len(span.token_ids)):
-        if engine.fragments.pooled(layout, span) is None:  # a pooled fragment costs only a copy
+    if source_of(span) is not None and runner.costs.recompute_cheaper(len(span.token_ids)):
+        if runner.fragments.pooled(layout, span) is None:  # a pooled fragment costs only a copy
             return "recomputed"
-    return "shifted" if engine.fragments.available(layout, span) else "missed"
+    return "shifted" if runner.fragments.available(layout, span) else "missed"
 
 
 def _count(
-    engine: KVShiftEngine,
+    runner: ModelPasses,
     layout: PromptLayout,
     stats: ReuseStats,
     spans: list[FragmentSpan],
@@ -239,12 +239,12 @@ def lead_possible(settings: EngineSettings, layout: PromptLayout, span: Fragment
     )
 
 
-def reads_lead(engine: KVShiftEngine, layout: PromptLayout, span: FragmentSpan) -> bool:
+def reads_lead(runner: ModelPasses, layout: PromptLayout, span: FragmentSpan) -> bool:
     """Whether ``span`` is read from its lead fragment rather than shifted: it opens the memory
     block right after the conditioning and its lead fragment is cached."""
-    if span.start != layout.conditioning.numel() or not lead_possible(engine.settings, layout, span):
+    if span.start != layout.conditioning.numel() or not lead_possible(runner.settings, layout, span):
         return False
-    return engine.fragments.available(layout, span, lead=True)
+    return runner.fragments.available(layout, span, lead=True)
 
 
 def last_adjacent_run(spans: list[FragmentSpan]) -> list[FragmentSpan]:

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
+from .. import inputs
 from ..kv.cache import ForwardStep
 from .planning import PromptPlan
 from .results import GenerationResult, ReuseStats, ScoreResult
@@ -15,8 +17,8 @@ from .results import GenerationResult, ReuseStats, ScoreResult
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-    from .engine import KVShiftEngine
     from .grammar import GrammarMatcher
+    from .passes import ModelPasses
 
 __all__ = [
     "GenerationStream",
@@ -29,8 +31,22 @@ __all__ = [
     "score_continuation",
 ]
 
-#: temperature, top_p, top_k, seed, repetition_penalty
-Sampling = tuple[float, float, int, "int | None", float]
+
+@dataclass(frozen=True)
+class Sampling:
+    """How the next token is picked: greedy at ``temperature`` 0, else sampled (see ``generate``)."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    repetition_penalty: float = 1.0
+
+    @classmethod
+    def checked(cls, temperature: Any, top_p: Any, top_k: Any, seed: Any, repetition_penalty: Any) -> Sampling:
+        """:raises InvalidInputError: a value out of its range or of the wrong type."""
+        inputs.check_sampling(temperature, top_p, top_k, seed, repetition_penalty)
+        return cls(float(temperature), float(top_p), int(top_k), seed, float(repetition_penalty))
 
 
 class GenerationStream(Iterator[str]):
@@ -88,13 +104,13 @@ def penalise_repeats(logits: torch.Tensor, generated: list[int], penalty: float)
     return logits.index_copy(0, seen, torch.where(scores > 0, scores / penalty, scores * penalty))
 
 
-def pick_token(
-    logits: torch.Tensor, temperature: float, top_p: float, top_k: int, generator: torch.Generator | None
-) -> int:
-    if temperature == 0.0:
+def pick_token(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator | None) -> int:
+    """The next token: the most likely at temperature 0, else drawn with ``generator``."""
+    if sampling.temperature == 0.0:
         return int(logits.argmax())
     # sampled on the CPU with a CPU generator: a seed draws the same tokens on every device
-    scores = logits.cpu() / temperature
+    scores = logits.cpu() / sampling.temperature
+    top_k, top_p = sampling.top_k, sampling.top_p
     if top_k:
         kth = scores.topk(min(top_k, scores.numel())).values[-1]
         scores = scores.masked_fill(scores < kth, float("-inf"))
@@ -108,7 +124,7 @@ def pick_token(
 
 
 def generate_steps(
-    engine: KVShiftEngine,
+    runner: ModelPasses,
     plan: PromptPlan,
     sampling: Sampling,
     stops: list[str],
@@ -122,13 +138,12 @@ def generate_steps(
     The K/V computed (prompt and answer) is remembered for prefix reuse when the generator ends,
     closed early included.
     """
-    temperature, top_p, top_k, seed, repetition_penalty = sampling
     generator = None
-    if temperature > 0.0:
+    if sampling.temperature > 0.0:
         generator = torch.Generator()
-        generator.seed() if seed is None else generator.manual_seed(seed)
+        generator.seed() if sampling.seed is None else generator.manual_seed(sampling.seed)
     layout = plan.layout
-    prepared = engine.prefill(plan)
+    prepared = runner.prefill(plan)
     cache, logits, stats = prepared.cache, prepared.logits, prepared.stats
     n = layout.length
     filled = n  # slots holding finished K/V: an interrupted step leaves its slot out
@@ -138,21 +153,21 @@ def generate_steps(
     decode_started = None
     try:
         while True:
-            logits = penalise_repeats(logits, generated, repetition_penalty)
+            logits = penalise_repeats(logits, generated, sampling.repetition_penalty)
             if matcher is not None:
                 logits = matcher.mask(logits)
-            token = pick_token(logits, temperature, top_p, top_k, generator)
+            token = pick_token(logits, sampling, generator)
             if decode_started is None:
                 decode_started = time.perf_counter()
                 stats.ttft_s = decode_started - started
                 yield stats
-            if token in engine.eos_token_ids:
+            if token in runner.eos_token_ids:
                 finish = "stop"
                 break
             generated.append(token)
             if matcher is not None:
                 matcher.consume(token)
-            text = engine.tokenizer.decode(generated, skip_special_tokens=True)
+            text = runner.decode_text(generated)
             cut = min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)
             if cut >= 0:
                 text, finish = text[:cut], "stop"
@@ -167,7 +182,7 @@ def generate_steps(
             if len(generated) == plan.extra_tokens:
                 break
             slot = n + len(generated) - 1
-            logits = engine.forward(cache, torch.tensor([token], device="cpu"), ForwardStep.span(slot, slot + 1))[-1]
+            logits = runner.forward(cache, torch.tensor([token], device="cpu"), ForwardStep.span(slot, slot + 1))[-1]
             filled = slot + 1
         if len(text) > emitted:
             yield text[emitted:]
@@ -176,33 +191,28 @@ def generate_steps(
         stats.decode_tokens_per_s = (len(generated) - 1) / elapsed if len(generated) > 1 and elapsed > 0 else 0.0
         stats.total_s = time.perf_counter() - started
         result = GenerationResult(text=text, token_ids=generated, stats=stats, finish_reason=finish)
-        # kept even when a stop string cut the text: ids that do not read back as it are never used
-        engine.tokens.remember_reply(text, generated, namespace=layout.namespace)
-        # the answer is out: the memories that missed get their fragments for the next call
-        stats.encoded_tokens = engine.encode_missed(layout, prepared.unencoded)
+        stats.encoded_tokens = runner.answered(layout, text, generated, prepared.unencoded)
         yield result
     finally:
         all_ids = torch.cat([layout.token_ids, torch.tensor(generated, dtype=torch.long, device="cpu")])
         # decoding after an exact prompt is exact too: the next turn may reuse the reply as well
         exact_until = filled if prepared.exact_until >= n else prepared.exact_until
-        engine.prefix_cache.remember(layout.namespace, cache, all_ids, filled, exact_until)
-        if plan.kv_store is not None:
-            engine.chunks.save_later(plan.kv_store, layout.namespace, cache, all_ids, filled, exact_until)
+        runner.keep(plan, cache, all_ids, filled, exact_until)
 
 
 @torch.inference_mode()
 def score_continuation(
-    engine: KVShiftEngine, plan: PromptPlan, cont_ids: list[int], return_distributions: bool, started: float
+    runner: ModelPasses, plan: PromptPlan, cont_ids: list[int], return_distributions: bool, started: float
 ) -> ScoreResult:
     """Prefill ``plan`` and score ``cont_ids`` as the start of the answer (teacher-forced)."""
-    prepared = engine.prefill(plan)
+    prepared = runner.prefill(plan)
     stats = prepared.stats
     stats.ttft_s = time.perf_counter() - started
     rows = [prepared.logits[None]]
     if len(cont_ids) > 1:
         n = plan.layout.length
         ids = torch.tensor(cont_ids[:-1], device="cpu")
-        rows.append(engine.forward(prepared.cache, ids, ForwardStep.span(n, n + ids.numel()), logits="all"))
+        rows.append(runner.forward(prepared.cache, ids, ForwardStep.span(n, n + ids.numel()), logits="all"))
     distributions = torch.log_softmax(torch.cat(rows), dim=-1)
     picked = distributions.gather(1, torch.tensor(cont_ids, device=distributions.device)[:, None])[:, 0]
     stats.total_s = time.perf_counter() - started

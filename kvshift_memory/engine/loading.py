@@ -10,6 +10,7 @@ a temporary folder, which is never loaded and is cleaned up by the next one.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -24,6 +25,7 @@ import torch
 from ..exceptions import InvalidInputError, ModelLoadError, ModelNotFoundError
 from ..shipped import DEFAULT_MODEL, SHIPPED_MODELS, ShippedModel, missing_gguf_requirements, shipped_model
 from .fingerprint import model_fingerprint
+from .settings import EngineSettings
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -32,10 +34,12 @@ __all__ = [
     "LoadedModel",
     "bundled_gguf_path",
     "converted_model_folder",
+    "split_options",
     "kvshift_home",
     "load_model",
     "resolve_device",
     "resolve_dtype",
+    "shared_key",
     "shipped_model_folder",
 ]
 
@@ -298,3 +302,53 @@ def _weights_identity(source: str | os.PathLike[str], dtype: Any, hf_kwargs: dic
         return None
     stats = tuple((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files)
     return (str(folder.resolve()), stats, str(dtype), repr(sorted(hf_kwargs.items())))
+
+
+def split_options(
+    name_or_path: str | os.PathLike[str] | None,
+    settings: EngineSettings | None,
+    options: dict[str, Any],
+    device: object,
+    device_map: object,
+    revision: str | None,
+    attn_implementation: str | None,
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``KVShiftEngine.from_pretrained``'s options, split into :class:`EngineSettings` fields and
+    what transformers' ``from_pretrained`` takes; a shipped model's measured ``auto_shifts`` is
+    added unless the caller chose one.
+
+    :raises InvalidInputError: both ``device`` and ``device_map``.
+    """
+    if device is not None and device_map is not None:
+        raise InvalidInputError("give device or device_map, not both")
+    fields = {field.name for field in dataclasses.fields(EngineSettings)}
+    overrides = {key: value for key, value in options.items() if key in fields}
+    passed = {key: value for key, value in options.items() if key not in fields}
+    for key, value in (
+        ("revision", revision),
+        ("attn_implementation", attn_implementation),
+        ("device_map", device_map),
+    ):
+        if value is not None:
+            passed[key] = value
+    shipped = SHIPPED_MODELS.get(DEFAULT_MODEL if name_or_path is None else str(name_or_path))
+    if (
+        shipped is not None
+        and overrides.get("auto_shifts") is None
+        and (settings or EngineSettings()).auto_shifts is None
+    ):
+        overrides["auto_shifts"] = shipped.auto_shifts  # what was measured on this model
+    return overrides, passed
+
+
+def shared_key(
+    name_or_path: str | os.PathLike[str] | None, device: object, dtype: object, options: dict[str, Any]
+) -> str:
+    """What names a shared engine: the model, device, dtype and loading options, as JSON.
+
+    :raises InvalidInputError: an option that is not a plain JSON value.
+    """
+    try:
+        return json.dumps([None if name_or_path is None else str(name_or_path), device, dtype, options], sort_keys=True)
+    except (TypeError, ValueError) as exc:
+        raise InvalidInputError(f"a shared engine's options are plain JSON values: {exc}") from exc

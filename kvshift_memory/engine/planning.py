@@ -16,8 +16,9 @@ from typing import Any
 import torch
 
 from .. import inputs
-from ..exceptions import ContextOverflowError
+from ..exceptions import ContextOverflowError, InvalidInputError
 from ..kv.cache import ShiftCache
+from ..protocols import ChunkStore
 from .families import PositionScheme
 from .prompt import FragmentSpan, PromptLayout, ScopedTokens, TokenMemo, build_layout
 from .results import ReuseMode, ReuseStats
@@ -51,7 +52,7 @@ class PromptPlan:
     recompute_ratio: float
     fallback_reason: str | None
     extra_tokens: int
-    kv_store: Any = None
+    kv_store: ChunkStore | None = None
 
 
 @dataclass
@@ -67,7 +68,7 @@ class PreparedPrompt:
     #: placed, as for ``reuse="none"``)
     recomputed: torch.Tensor | None = None
     #: memories that found no usable fragment: computed with the question, their fragments
-    #: encoded after the answer (:meth:`KVShiftEngine.encode_missed`)
+    #: encoded after the answer (:meth:`ModelRunner.encode_missed <.runner.ModelRunner.encode_missed>`)
     unencoded: list[FragmentSpan] = field(default_factory=list)
 
 
@@ -90,21 +91,30 @@ class Planner:
     def plan(
         self,
         messages: Sequence[dict[str, Any]] | str,
-        memories: Sequence[Any] | None,
-        reuse: str | None,
-        recompute_ratio: float | None,
-        extra_tokens: int,
+        memories: Sequence[Any] | None = None,
+        *,
+        reuse: str | None = None,
+        recompute_ratio: float | None = None,
+        extra_tokens: int = 1,
         fragments_after: str | None = None,
         encode_context: str | None = None,
         namespace: str | None = None,
         tools: Sequence[dict[str, Any]] | None = None,
+        kv_store: ChunkStore | None = None,
     ) -> PromptPlan:
-        """Validate a call's input and lay its prompt out (see ``KVShiftEngine.generate`` for the arguments).
+        """The :class:`PromptPlan` ``KVShiftEngine.generate`` would run, with ``extra_tokens`` slots
+        after the prompt (its answer's); the other arguments as ``generate`` takes them. Nothing is
+        computed or cached: ``engine.runner.prefill(plan)`` computes it.
 
         :raises InvalidInputError: bad messages, memories or parameters.
         :raises ContextOverflowError: the prompt plus ``extra_tokens`` exceeds the context window.
         """
         settings = self._settings
+        extra_tokens = inputs.check_non_negative_int(extra_tokens, "extra_tokens")
+        if kv_store is not None and not isinstance(kv_store, ChunkStore):
+            raise InvalidInputError(
+                f"kv_store must be a MemoryStore (load_chunk, save_chunk, codec), not {type(kv_store).__name__}"
+            )
         namespace = inputs.check_namespace(namespace)
         checked = inputs.check_messages(messages)
         bound = inputs.check_tools(tools)
@@ -153,7 +163,7 @@ class Planner:
             no_room = self.no_room_to_encode(layout)
             if no_room is not None:
                 mode, fallback = "prefix", f"{no_room}: exact prefix reuse"
-        return PromptPlan(layout, mode, requested or "auto", ratio, fallback, extra_tokens)
+        return PromptPlan(layout, mode, requested or "auto", ratio, fallback, extra_tokens, kv_store)
 
     def _conditioning_after(self, tokens: ScopedTokens, system: list[dict[str, str]]) -> torch.Tensor:
         """The conditioning of a prompt whose system message is ``system`` (empty: the engine's own)."""
@@ -166,6 +176,54 @@ class Planner:
         if self._default is None:
             self._default = self._conditioning_after(self._tokens.scoped(""), [])
         return self._default
+
+    def continuation_ids(self, continuation: Any, namespace: str | None, vocab_size: int) -> list[int]:
+        """A scored continuation's token ids: text tokenised as content, or ids checked against the vocabulary.
+
+        :raises InvalidInputError: empty or malformed, or an id outside the vocabulary.
+        """
+        continuation = inputs.check_continuation(continuation)
+        if isinstance(continuation, str):
+            return list(self._tokens.encode(continuation, namespace=inputs.check_namespace(namespace)))
+        if max(continuation) >= vocab_size:
+            raise InvalidInputError(f"continuation holds token id {max(continuation)} >= vocabulary size {vocab_size}")
+        return list(continuation)
+
+    def warm_layout(
+        self,
+        memories: Sequence[Any],
+        messages: Sequence[dict[str, Any]] | str | None,
+        fragments_after: str | None,
+        encode_context: str | None,
+        namespace: str | None,
+        from_turn: Sequence[dict[str, Any]] | None,
+    ) -> tuple[PromptLayout | None, torch.Tensor | None]:
+        """What ``KVShiftEngine.warm`` encodes: the memories' layout (``None`` when nothing can be
+        shifted) and the token ids of the turn ``from_turn`` names.
+
+        :raises InvalidInputError: bad messages, memories or turn.
+        :raises ContextOverflowError: the system message, encode context and a memory exceed the window.
+        """
+        if messages is None:
+            messages = [{"role": "user", "content": "?"}]  # only the system message matters here
+        plan = self.plan(
+            messages,
+            memories,
+            reuse="blend",
+            recompute_ratio=0.0,
+            fragments_after=fragments_after,
+            encode_context=encode_context,
+            namespace=namespace,
+        )
+        turn = None
+        if from_turn is not None:
+            turn = self.plan(from_turn, reuse="prefix", extra_tokens=0, namespace=namespace).layout.token_ids
+        no_room = self.no_room_to_encode(plan.layout)
+        if no_room is not None:
+            raise ContextOverflowError(no_room)
+        if plan.reuse != "blend" or not plan.layout.fragments:
+            return None, turn
+        return plan.layout, turn
 
     def no_room_to_encode(self, layout: PromptLayout) -> str | None:
         """Why one of the layout's memories cannot be encoded after its conditioning and encode

@@ -279,7 +279,7 @@ class ChatKVShift(BaseChatModel):
         """The tokens of the whole prompt these messages make: chat template, tool descriptions and all."""
         bound = [convert_to_openai_tool(tool) for tool in tools or ()]
         prompt = self._engine_messages(messages)
-        return self._engine().plan(prompt, reuse="none", namespace=self.user_id, tools=bound).layout.length
+        return self._engine().planner.plan(prompt, reuse="none", namespace=self.user_id, tools=bound).layout.length
 
     def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> LangSmithParams:
         return LangSmithParams(

@@ -62,7 +62,7 @@ def _spy_prompts(monkeypatch, llm: ChatKVShift) -> list:
     original = engine.generate
 
     def generate(messages, *args, **kwargs):
-        layout = engine.plan(messages, reuse="none").layout
+        layout = engine.planner.plan(messages, reuse="none").layout
         seen.append((messages, engine.tokenizer.decode(layout.token_ids)))
         return original(messages, *args, **kwargs)
 
