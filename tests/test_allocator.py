@@ -8,7 +8,7 @@ import resource
 import pytest
 import torch
 
-import kvshift_memory.engine.engine as engine_module
+import kvshift_memory.engine.runner as runner_module
 from conftest import TINY_CONFIGS, tiny_model
 from kvshift_memory import EngineSettings, KVShiftEngine
 from kvshift_memory.engine.allocator import keep_freed_memory
@@ -38,7 +38,7 @@ def test_a_second_cache_reuses_the_freed_pages():
 
 def test_the_setting_decides_and_is_checked(tokenizer, monkeypatch):
     calls = []
-    monkeypatch.setattr(engine_module, "keep_freed_memory", lambda: calls.append(1) or True)
+    monkeypatch.setattr(runner_module, "keep_freed_memory", lambda: calls.append(1) or True)
     model = tiny_model(TINY_CONFIGS["llama"]())
     KVShiftEngine(model, tokenizer, keep_freed_memory=False)
     assert calls == []

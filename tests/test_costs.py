@@ -55,17 +55,17 @@ def test_the_engine_recomputes_a_stored_memory_the_model_finds_cheaper(bundled_e
         )
         engine.warm([short, long])
         engine.clear_cache(prefixes=False)  # fragments now only in the store
-        saved = engine.costs
+        saved = engine.runner.costs
         try:
-            engine.costs = CostModel()
+            engine.runner.costs = CostModel()
             for _ in range(20):  # 1 ms a token; many points, so the passes this call makes barely move it
-                engine.costs.observe_pass(1, 0.090)
-                engine.costs.observe_pass(30, 0.120)
-            engine.costs.observe_fetch(5, 0.020)  # a fetch costs what 20 tokens of a pass do
+                engine.runner.costs.observe_pass(1, 0.090)
+                engine.runner.costs.observe_pass(30, 0.120)
+            engine.runner.costs.observe_fetch(5, 0.020)  # a fetch costs what 20 tokens of a pass do
             messages = [{"role": "user", "content": "What do I drink?", "memories": [short, long]}]
             stats = engine.generate(messages, max_new_tokens=2, reuse="blend", recompute_ratio=0.0).stats
         finally:
-            engine.costs = saved
+            engine.runner.costs = saved
     assert stats.fragments_recomputed == 1 and stats.fragments_loaded == 1
     assert stats.recomputed_tokens == engine.count_tokens("Tea.\n")
     assert partition_holds(stats)
