@@ -7,8 +7,12 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from .exceptions import KVShiftError
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 __all__ = ["plot_results"]
 
@@ -58,7 +62,7 @@ def plot_results(results: Path) -> list[Path]:
     return written
 
 
-def _save(figure, path: Path) -> Path:
+def _save(figure: Figure, path: Path) -> Path:
     figure.tight_layout()
     figure.savefig(path, dpi=120)
     import matplotlib.pyplot as plt

@@ -18,16 +18,19 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .exceptions import KVShiftError
+
+if TYPE_CHECKING:
+    from .store import MemoryStore
 
 __all__ = ["main"]
 
 
-def _open_store(args: argparse.Namespace):
+def _open_store(args: argparse.Namespace) -> MemoryStore:
     from .store import MemoryStore
 
     return MemoryStore(args.path, kv_url=args.kv_url, index_url=args.index_url)
@@ -212,7 +215,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     commands = parser.add_subparsers(dest="command", required=True)
 
-    def store_command(name: str, help_text: str, run) -> argparse.ArgumentParser:
+    def store_command(name: str, help_text: str, run: Callable[[argparse.Namespace], int]) -> argparse.ArgumentParser:
         command = commands.add_parser(name, help=help_text)
         command.add_argument("path", nargs="?", default=None, help="the store's folder")
         command.add_argument("--kv-url", default=None, help="memory://, redis://… (instead of or with a folder)")

@@ -75,13 +75,13 @@ class MiniLMEmbedder:
         self.max_tokens = max_tokens
         self.batch_size = batch_size
         self.name = "all-MiniLM-L6-v2" if path is None else f"minilm:{Path(path).name}"
-        self._model = None
-        self._tokenizer = None
+        self._model: Any = None  # transformers' model and tokenizer, loaded on the first embed
+        self._tokenizer: Any = None
         self._lock = threading.Lock()
         # an agent's turn may search twice with the same message (a correction's target, then recall)
         self._recent: OrderedDict[str, list[float]] = OrderedDict()
 
-    def _load(self):
+    def _load(self) -> tuple[Any, Any]:
         with self._lock:
             if self._model is None:
                 from transformers import AutoModel, AutoTokenizer

@@ -10,6 +10,7 @@ sliding-window layers). Registering a name transformers has no mask function for
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -80,7 +81,16 @@ def _dense_mask(slots: torch.Tensor, key_length: int, window: int | None, step: 
     return plans[key]
 
 
-def _explicit_attention(query, key, value, visible, scaling, softcap, capture, capture_from=0):
+def _explicit_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    visible: torch.Tensor,
+    scaling: float,
+    softcap: float | None,
+    capture: list[torch.Tensor] | None,
+    capture_from: int = 0,
+) -> torch.Tensor:
     """Softmax attention spelt out, for when we need the probabilities or a logit soft-cap.
 
     With ``capture`` a list, appends the probability mass each key gets from queries ``capture_from..``.
@@ -139,7 +149,15 @@ def _plan(slots: torch.Tensor, window: int | None, step: ForwardStep | None, dty
     return chunks
 
 
-def _sdpa_attention(query, key, value, slots, window, step, scaling):
+def _sdpa_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    slots: torch.Tensor,
+    window: int | None,
+    step: ForwardStep | None,
+    scaling: float,
+) -> torch.Tensor:
     """Attention through ``scaled_dot_product_attention``, chunk by chunk of query slots."""
     q_len, key_length = query.shape[2], key.shape[2]
     if window is None and q_len == key_length and (step is None or step.contiguous):
@@ -175,7 +193,7 @@ def kvshift_attention(
     dropout: float = 0.0,
     sliding_window: int | None = None,
     softcap: float | None = None,
-    **kwargs,
+    **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """Attention of ``query`` (``[1, q_heads, q, dim]``) over ``key``/``value`` (``[1, kv_heads, n, dim]``).
 

@@ -15,7 +15,7 @@ import torch
 from ..kv.rope import RotaryLayer
 
 if TYPE_CHECKING:
-    from transformers import PreTrainedModel
+    from transformers import PretrainedConfig, PreTrainedModel
 
 __all__ = ["PositionScheme", "SHIFTABLE_FAMILIES", "STATIC_ROPE_TYPES", "position_scheme"]
 
@@ -47,7 +47,7 @@ class PositionScheme:
     layers: tuple[RotaryLayer, ...]
 
 
-def _rope_types(config) -> set[str]:
+def _rope_types(config: PretrainedConfig) -> set[str]:
     params = getattr(config, "rope_parameters", None) or {}
     if params and all(isinstance(value, dict) for value in params.values()):
         return {value.get("rope_type", "default") for value in params.values()}
@@ -61,7 +61,7 @@ def text_decoder(model: PreTrainedModel) -> torch.nn.Module:
     return decoder if isinstance(decoder, torch.nn.Module) else model.base_model
 
 
-def _rotary_layers(model: PreTrainedModel, config) -> tuple[RotaryLayer, ...] | None:
+def _rotary_layers(model: PreTrainedModel, config: PretrainedConfig) -> tuple[RotaryLayer, ...] | None:
     """Each decoder layer's rotary frequencies, or ``None`` when the decoder has no rotary module
     where transformers puts one."""
     rotary = getattr(text_decoder(model), "rotary_emb", None)

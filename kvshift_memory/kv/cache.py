@@ -17,6 +17,7 @@ import contextlib
 from collections.abc import Iterator
 from contextvars import ContextVar
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
@@ -108,7 +109,9 @@ class _ShiftLayer(CacheLayerMixin):
         own_values[..., start:end, :].copy_(values)
         self.length = max(self.length, end)
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         step = current_step.get()
         if step is None:
             raise RuntimeError("ShiftCache used outside KVShiftEngine's forward step")

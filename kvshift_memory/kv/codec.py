@@ -169,7 +169,12 @@ def _encode(keys: torch.Tensor, values: torch.Tensor, spec: CodecSpec) -> dict[s
     }
 
 
-def _decode(tensors, spec, expected, dtype) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+def _decode(
+    tensors: dict[str, torch.Tensor],
+    spec: CodecSpec,
+    expected: tuple[int, int | None, int, int | None],
+    dtype: torch.dtype,
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     layers, heads, n, dim = expected
 
     def get(name: str, kind: torch.dtype) -> torch.Tensor:

@@ -252,22 +252,22 @@ class _BytesOnlyDisk(diskcache.Disk):
     never make it deserialise an object (diskcache would otherwise unpickle rows marked so), nor
     read or delete a file outside the folder (a row names its value's file)."""
 
-    def put(self, key):
+    def put(self, key: Any) -> tuple[Any, bool]:
         if not isinstance(key, str):
             raise InvalidInputError(f"store keys are str, got {type(key).__name__}")
         return super().put(key)
 
-    def get(self, key, raw):
+    def get(self, key: Any, raw: bool) -> Any:
         if not raw:
             raise CorruptRecordError("refusing a pickled key in the disk tier")
         return super().get(key, raw)
 
-    def store(self, value, read, key=diskcache.core.UNKNOWN):
+    def store(self, value: Any, read: bool, key: Any = diskcache.core.UNKNOWN) -> tuple[int, int, str | None, Any]:
         if not isinstance(value, (bytes, int)):
             raise InvalidInputError(f"store values are bytes, got {type(value).__name__}")
         return super().store(value, read, key=key)
 
-    def fetch(self, mode, filename, value, read):
+    def fetch(self, mode: int, filename: str | None, value: Any, read: bool) -> Any:
         if mode == diskcache.core.MODE_PICKLE:
             raise CorruptRecordError("refusing a pickled value in the disk tier")
         if filename is not None and not self._inside(filename):
@@ -276,7 +276,7 @@ class _BytesOnlyDisk(diskcache.Disk):
             )
         return super().fetch(mode, filename, value, read)
 
-    def remove(self, file_path):
+    def remove(self, file_path: str) -> None:
         if self._inside(file_path):
             super().remove(file_path)
         else:  # the row goes (that heals the tier); a file it names outside the folder stays untouched
@@ -501,7 +501,7 @@ class RedisTier:
             raise StoreError(f"cannot reach Redis at {url}: {exc}") from exc
         self._cas = self._client.register_script(self._CAS)
 
-    def _call(self, method: str, *args, **kwargs):
+    def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         try:
             return getattr(self._client, method)(*args, **kwargs)
         except self._errors as exc:
