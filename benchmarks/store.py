@@ -260,30 +260,36 @@ def part_isolation(others: int, repeats: int, report) -> None:
 
     import numpy as np
 
+    class Source:
+        """The store's side of the index: its log and each memory's state, in lists."""
+
+        def __init__(self) -> None:
+            self.log: list[bytes] = []
+            self.states: dict[tuple[str, str], IndexedState] = {}
+
+        def read_log(self, start: int) -> list[bytes]:
+            return self.log[start:]
+
+        def index_state(self, tenant: str, memory_id: str) -> IndexedState | None:
+            return self.states.get((tenant, memory_id))
+
     rng = np.random.default_rng(0)
-    index = MemoryIndex(":memory:", 384, "bench")
-    log: list[bytes] = []
-    states: dict[tuple[str, str], IndexedState] = {}
+    source = Source()
+    index = MemoryIndex(":memory:", 384, "bench", source=source)
 
     def add(tenant: str, count: int) -> None:
         for vector in rng.normal(size=(count, 384)).astype(np.float32):
             memory_id = uuid.uuid4().hex
-            log.append(json.dumps({"tenant": tenant, "id": memory_id, "n": uuid.uuid4().hex}).encode())
-            states[(tenant, memory_id)] = IndexedState(1, None, vector.tolist())
-
-    def read_log(start: int) -> list[bytes]:
-        return log[start:]
-
-    def state_of(tenant: str, memory_id: str) -> IndexedState | None:
-        return states.get((tenant, memory_id))
+            source.log.append(json.dumps({"tenant": tenant, "id": memory_id, "n": uuid.uuid4().hex}).encode())
+            source.states[(tenant, memory_id)] = IndexedState(1, None, vector.tolist())
 
     def median_search_s() -> float:
         query = rng.normal(size=384).tolist()
-        index.search(query, "bob", None, 20, read_log, state_of)  # replays the log: not timed
+        index.search(query, "bob", None, 20)  # replays the log: not timed
         times = []
         for _ in range(repeats):
             started = time.perf_counter()
-            index.search(query, "bob", None, 20, read_log, state_of)
+            index.search(query, "bob", None, 20)
             times.append(time.perf_counter() - started)
         return statistics.median(times)
 

@@ -10,8 +10,9 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Literal, Protocol, overload, runtime_checkable
 
 if TYPE_CHECKING:
-    from .engine import EngineSettings, GenerationResult, GenerationStream
-    from .store import MemoryRecord
+    from .engine.results import GenerationResult, GenerationStream
+    from .engine.settings import EngineSettings
+    from .store.records import MemoryRecord
 
 __all__ = ["ChunkStore", "Engine", "Store"]
 

@@ -145,7 +145,7 @@ def test_a_memory_no_row_names_is_invisible_and_gc_removes_it_after_the_grace(ma
     store = make_store(embedder=HashEmbedder())
     put_item(store, "alice", ("notes",), "code", {"text": "The code is 1234."}, "The code is 1234.")
     row_key = next(iter(store.tier.scan("i/alice/")))
-    orphan = store._add(  # noqa: SLF001 - what put_item does before it publishes the row
+    orphan = store.add_owned(  # what put_item does before it publishes the row
         "The code is 9999.",
         tenant="alice",
         session_id=None,

@@ -1,8 +1,8 @@
 """Model loading, prefill and generation with reuse, the blend, and their statistics."""
 
-from .engine import EngineSettings, GenerationStream, KVShiftEngine
+from .engine import EngineSettings, KVShiftEngine
 from .grammar import Grammar
-from .results import GenerationResult, ReuseStats, ScoreResult
+from .results import GenerationResult, GenerationStream, ReuseStats, ScoreResult
 
 __all__ = [
     "EngineSettings",

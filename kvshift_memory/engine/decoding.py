@@ -21,7 +21,6 @@ if TYPE_CHECKING:
     from .passes import ModelPasses
 
 __all__ = [
-    "GenerationStream",
     "Sampling",
     "eos_ids",
     "generate_steps",
@@ -47,39 +46,6 @@ class Sampling:
         """:raises InvalidInputError: a value out of its range or of the wrong type."""
         inputs.check_sampling(temperature, top_p, top_k, seed, repetition_penalty)
         return cls(float(temperature), float(top_p), int(top_k), seed, float(repetition_penalty))
-
-
-class GenerationStream(Iterator[str]):
-    """Text pieces of a generation as they are produced.
-
-    After the last piece, :attr:`result` holds the :class:`GenerationResult`; :attr:`stats`
-    is available from the first piece on (``ttft_s`` is final by then).
-    """
-
-    def __init__(self, steps: Iterator[str | ReuseStats | GenerationResult]) -> None:
-        self._steps = steps
-        self.result: GenerationResult | None = None
-        self.stats: ReuseStats | None = None
-
-    def __iter__(self) -> GenerationStream:
-        return self
-
-    def __next__(self) -> str:
-        while True:
-            item = next(self._steps)
-            if isinstance(item, GenerationResult):
-                self.result, self.stats = item, item.stats
-                continue
-            if isinstance(item, ReuseStats):
-                self.stats = item
-                continue
-            return item
-
-    def close(self) -> None:
-        """Stop generating; the K/V computed so far stays cached for reuse."""
-        close = getattr(self._steps, "close", None)
-        if close is not None:
-            close()
 
 
 def eos_ids(model: PreTrainedModel, tokenizer: Any) -> frozenset[int]:

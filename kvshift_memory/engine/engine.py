@@ -21,14 +21,14 @@ from .. import inputs
 from ..chat_turns import ToolLayout
 from ..exceptions import InvalidInputError
 from ..protocols import ChunkStore
-from .decoding import GenerationStream, Sampling, generate_steps, score_continuation
+from .decoding import Sampling, generate_steps, score_continuation
 from .fingerprint import model_fingerprint
 from .grammar import Grammar, GrammarMatcher
 from .loading import load_model, resolve_device, resolve_dtype, shared_key, split_options
 from .options import GenerateOptions
 from .packing import sharing
 from .planning import Planner
-from .results import GenerationResult, ScoreResult
+from .results import GenerationResult, GenerationStream, ScoreResult
 from .runner import ModelRunner
 from .settings import EngineSettings
 
@@ -36,7 +36,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel
     from typing_extensions import Unpack
 
-__all__ = ["EngineSettings", "GenerationStream", "KVShiftEngine"]
+__all__ = ["KVShiftEngine"]
 
 _SHARED: dict[str, KVShiftEngine] = {}
 _SHARED_LOCK = threading.Lock()

@@ -8,7 +8,7 @@ from typing import Literal, overload
 
 import torch
 
-__all__ = ["GenerationResult", "ReuseStats", "ScoreResult"]
+__all__ = ["GenerationResult", "GenerationStream", "ReuseStats", "ScoreResult"]
 
 ReuseMode = Literal["none", "prefix", "blend"]
 
@@ -114,7 +114,7 @@ class ScoreResult(Sequence[float]):
     def __getitem__(self, index: int) -> float: ...
     @overload
     def __getitem__(self, index: slice) -> list[float]: ...
-    def __getitem__(self, index):
+    def __getitem__(self, index: int | slice) -> float | list[float]:
         return self.logprobs[index]
 
     def __len__(self) -> int:
@@ -122,3 +122,36 @@ class ScoreResult(Sequence[float]):
 
     def __iter__(self) -> Iterator[float]:
         return iter(self.logprobs)
+
+
+class GenerationStream(Iterator[str]):
+    """Text pieces of a generation as they are produced.
+
+    After the last piece, :attr:`result` holds the :class:`GenerationResult`; :attr:`stats`
+    is available from the first piece on (``ttft_s`` is final by then).
+    """
+
+    def __init__(self, steps: Iterator[str | ReuseStats | GenerationResult]) -> None:
+        self._steps = steps
+        self.result: GenerationResult | None = None
+        self.stats: ReuseStats | None = None
+
+    def __iter__(self) -> GenerationStream:
+        return self
+
+    def __next__(self) -> str:
+        while True:
+            item = next(self._steps)
+            if isinstance(item, GenerationResult):
+                self.result, self.stats = item, item.stats
+                continue
+            if isinstance(item, ReuseStats):
+                self.stats = item
+                continue
+            return item
+
+    def close(self) -> None:
+        """Stop generating; the K/V computed so far stays cached for reuse."""
+        close = getattr(self._steps, "close", None)
+        if close is not None:
+            close()

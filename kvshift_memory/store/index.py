@@ -42,7 +42,7 @@ import numpy as np
 
 from ..exceptions import InvalidInputError, StoreError
 from .keywords import sparse_terms
-from .log_follower import IndexedState, IndexHit, LogFollower, fresh_state, parse_state, point_id
+from .log_follower import IndexedState, IndexHit, LogFollower, LogSource, fresh_state, parse_state, point_id
 
 if TYPE_CHECKING:
     from .qdrant_index import QdrantIndex
@@ -63,6 +63,7 @@ def open_index(
     dimension: int,
     embedder_name: str,
     *,
+    source: LogSource,
     lock_timeout_s: float = 30.0,
     owner: Callable[[], str] | None = None,
     api_key: str | None = None,
@@ -70,6 +71,7 @@ def open_index(
 ) -> MemoryIndex | QdrantIndex:
     """The index for ``location``: ``http(s)://…`` a Qdrant server, else this process's (a folder or ``":memory:"``).
 
+    :param source: the store whose change log the index follows (it asks for it on each search).
     :param lock_timeout_s: how long a thread waits for another's sync or search of the index.
     :param owner: the store's identity, asked for only by a Qdrant index (its points carry it).
     :param api_key: the Qdrant server's API key; ``collection_prefix``: its collections' names' start.
@@ -84,6 +86,7 @@ def open_index(
             text,
             dimension,
             embedder_name,
+            source=source,
             lock_timeout_s=lock_timeout_s,
             owner=owner() if owner is not None else "",
             api_key=api_key,
@@ -91,7 +94,7 @@ def open_index(
         )
     if api_key is not None or collection_prefix != DEFAULT_COLLECTION_PREFIX:
         raise InvalidInputError("an API key and a collection prefix are for an index on a Qdrant server (http(s)://…)")
-    return MemoryIndex(text, dimension, embedder_name, lock_timeout_s=lock_timeout_s)
+    return MemoryIndex(text, dimension, embedder_name, source=source, lock_timeout_s=lock_timeout_s)
 
 
 class MemoryIndex(LogFollower):
@@ -105,9 +108,15 @@ class MemoryIndex(LogFollower):
     """
 
     def __init__(
-        self, location: str | os.PathLike, dimension: int, embedder_name: str, *, lock_timeout_s: float = 30.0
+        self,
+        location: str | os.PathLike,
+        dimension: int,
+        embedder_name: str,
+        *,
+        source: LogSource,
+        lock_timeout_s: float = 30.0,
     ) -> None:
-        super().__init__(lock_timeout_s)
+        super().__init__(source, lock_timeout_s)
         self.location = os.fspath(location)
         self.dimension = dimension
         self.embedder_name = embedder_name

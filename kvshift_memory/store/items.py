@@ -42,7 +42,7 @@ from .layout import split_key, tier_key
 from .records import MemoryRecord
 
 if TYPE_CHECKING:
-    from .memory_store import MemoryStore
+    from .parts import StoreParts
     from .tiers import KVTier
 
 __all__ = [
@@ -140,7 +140,7 @@ def _is_seconds(value: Any) -> bool:
     )
 
 
-def _memory(store: MemoryStore, tenant: str, row: dict[str, Any] | None) -> MemoryRecord | None:
+def _memory(store: StoreParts, tenant: str, row: dict[str, Any] | None) -> MemoryRecord | None:
     """The live memory a row names (``None`` also for an id or tenant that is no identifier: rows are untrusted)."""
     if row is None:
         return None
@@ -192,7 +192,7 @@ def fence_row(tier: KVTier, row_key: str, raw: bytes | None, now: float) -> bool
     return tier.compare_and_set(row_key, raw, json.dumps(row, ensure_ascii=False).encode("utf-8"))
 
 
-def _retire(store: MemoryStore, tenant: str, memory_id: Any) -> None:
+def _retire(store: StoreParts, tenant: str, memory_id: Any) -> None:
     """Delete a memory no row names any more (it is invisible already: this frees it sooner than gc)."""
     for _ in range(_ATTEMPTS):
         try:
@@ -205,7 +205,7 @@ def _retire(store: MemoryStore, tenant: str, memory_id: Any) -> None:
 
 
 def put_item(
-    store: MemoryStore,
+    store: StoreParts,
     tenant: str,
     namespace: Sequence[str],
     key: str,
@@ -243,7 +243,7 @@ def put_item(
         current = _memory(store, tenant, row)
         made = None
         if current is None or current.text != text or current.indexed != index:
-            made = store._add(  # noqa: SLF001 - the item layer is the store's own
+            made = store.add_owned(
                 text,
                 tenant=tenant,
                 session_id=session_id,
@@ -275,7 +275,7 @@ def put_item(
 
 
 def get_item(
-    store: MemoryStore, tenant: str, namespace: Sequence[str], key: str, *, refresh: bool = False
+    store: StoreParts, tenant: str, namespace: Sequence[str], key: str, *, refresh: bool = False
 ) -> Item | None:
     """The item, or ``None`` (none, deleted, expired, or another tenant's).
 
@@ -296,7 +296,7 @@ def get_item(
     return _refreshed(store, row_key, raw, found) if refresh else found
 
 
-def refresh_item(store: MemoryStore, item: Item) -> Item:
+def refresh_item(store: StoreParts, item: Item) -> Item:
     """Restart ``item``'s time to live from now (what a read does in LangGraph's stores): it then
     expires ``ttl_s`` after this call. An item with no TTL, or one another writer changed since
     it was read (that writer's put set its expiry), is returned as it was.
@@ -307,7 +307,7 @@ def refresh_item(store: MemoryStore, item: Item) -> Item:
     return _refreshed(store, row_key, store.tier.get(row_key), item)
 
 
-def _refreshed(store: MemoryStore, row_key: str, raw: bytes | None, item: Item) -> Item:
+def _refreshed(store: StoreParts, row_key: str, raw: bytes | None, item: Item) -> Item:
     now = store.now()
     row = _parse_row(raw, now)
     if item.ttl_s is None or row is None or row["id"] != item.memory.id:
@@ -318,7 +318,7 @@ def _refreshed(store: MemoryStore, row_key: str, raw: bytes | None, item: Item) 
     return item
 
 
-def delete_item(store: MemoryStore, tenant: str, namespace: Sequence[str], key: str) -> bool:
+def delete_item(store: StoreParts, tenant: str, namespace: Sequence[str], key: str) -> bool:
     """Delete the item and its memory; its value is not kept. The item is gone when the row's
     tombstone is written; its memory is deleted next (or, if this writer dies first, by gc).
 
@@ -341,7 +341,7 @@ def delete_item(store: MemoryStore, tenant: str, namespace: Sequence[str], key: 
     raise StoreBusyError(f"item {key!r} of {labels!r}: other writers kept publishing first; try again")
 
 
-def item_of(store: MemoryStore, record: MemoryRecord) -> Item | None:
+def item_of(store: StoreParts, record: MemoryRecord) -> Item | None:
     """The item whose memory ``record`` is (a search hit), or ``None`` for a memory that is no item's."""
     row_key = record.item
     if row_key is None:  # an item a build before ``MemoryRecord.item`` wrote: its memory points to its row
@@ -355,7 +355,7 @@ def item_of(store: MemoryStore, record: MemoryRecord) -> Item | None:
     return _item(record.tenant, row, record)
 
 
-def list_items(store: MemoryStore, tenant: str | None = None) -> Iterator[Item]:
+def list_items(store: StoreParts, tenant: str | None = None) -> Iterator[Item]:
     """Every live item (of ``tenant``, when given), in no particular order."""
     prefix = tier_key("i", inputs.check_identifier(tenant, "tenant")) + "/" if tenant is not None else "i/"
     now = store.now()
@@ -367,12 +367,12 @@ def list_items(store: MemoryStore, tenant: str | None = None) -> Iterator[Item]:
             yield _item(parts[1], row, memory)
 
 
-def item_tenants(store: MemoryStore) -> set[str]:
+def item_tenants(store: StoreParts) -> set[str]:
     """The tenants that have item rows (live or deleted), read from the rows' keys alone."""
     return {parts[1] for parts in map(split_key, store.tier.scan("i/")) if len(parts) == 3 and parts[1]}
 
 
-def sweep_items(store: MemoryStore) -> int:
+def sweep_items(store: StoreParts) -> int:
     """Remove every expired item: its row becomes a tombstone (by compare-and-set, so a put that
     renewed it meanwhile wins) and its memory is deleted. Reads never show an expired item, swept
     or not: this frees its space.

@@ -16,6 +16,7 @@ import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from ..exceptions import StoreBusyError
 from .keywords import sparse_terms
@@ -24,9 +25,8 @@ __all__ = [
     "IndexHit",
     "IndexedState",
     "LogFollower",
+    "LogSource",
     "PENDING_GRACE_S",
-    "ReadLog",
-    "StateOf",
     "entries_since",
     "fresh_state",
     "parse_state",
@@ -38,8 +38,6 @@ __all__ = [
 PENDING_GRACE_S = 60.0
 
 logger = logging.getLogger("kvshift_memory.store")
-
-ReadLog = Callable[[int], list[bytes]]
 
 
 @dataclass(frozen=True)
@@ -60,7 +58,16 @@ class IndexedState:
     keywords: Sequence[str] = ()
 
 
-StateOf = Callable[[str, str], "IndexedState | None"]
+class LogSource(Protocol):
+    """Where an index learns what to hold: the memory store, handed to the index once, when it opens."""
+
+    def read_log(self, start: int) -> list[bytes]:
+        """The change log from entry ``start`` on."""
+        ...
+
+    def index_state(self, tenant: str, memory_id: str) -> IndexedState | None:
+        """What the index should hold for a memory; ``None`` for a memory with no head (yet)."""
+        ...
 
 
 def point_id(tenant: str, memory_id: str) -> str:
@@ -73,13 +80,15 @@ class LogFollower(ABC):
     A subclass stores points (``_upsert``, ``_delete``, ``_clear``, ``_point_ids``) and the sync
     state (``_read_state``, ``_write_state``); every method runs under :meth:`_locked`.
 
+    :param source: the store whose log this index follows.
     :param lock_timeout_s: how long a thread waits while another syncs or searches this index.
     """
 
     location: str
     dimension: int
 
-    def __init__(self, lock_timeout_s: float) -> None:
+    def __init__(self, source: LogSource, lock_timeout_s: float) -> None:
+        self.source = source
         self._mutex = threading.RLock()
         self.lock_timeout_s = lock_timeout_s
 
@@ -96,16 +105,16 @@ class LogFollower(ABC):
         finally:
             self._mutex.release()
 
-    def sync(self, read_log: ReadLog, state_of: StateOf) -> int:
+    def sync(self) -> int:
         """Replay the log; returns how many memories were reconciled.
 
         :raises StoreError: the tier or the server failed.
         """
         with self._locked():
             self._open()
-            return len(self._sync(read_log, state_of))
+            return len(self._sync())
 
-    def rebuild(self, states: dict[tuple[str, str], IndexedState], read_log: ReadLog, state_of: StateOf) -> int:
+    def rebuild(self, states: dict[tuple[str, str], IndexedState]) -> int:
         """Make every given memory's point match its state, replay the log, and drop points of
         memories neither names (``check()``); returns how many points were dropped.
 
@@ -117,7 +126,7 @@ class LogFollower(ABC):
             for (tenant, memory_id), state in states.items():
                 self._apply(tenant, memory_id, state)
             # a memory added or changed while check() ran is in the log: it wins, and is no stray
-            named = self._sync(read_log, state_of) | set(states)
+            named = self._sync() | set(states)
             wanted = {self._point_id(tenant, memory_id) for tenant, memory_id in named}
             stray = [pid for pid in self._point_ids() if pid not in wanted]
             self._delete(stray)
@@ -130,8 +139,6 @@ class LogFollower(ABC):
         tenant: str,
         session_id: str | None,
         limit: int,
-        read_log: ReadLog,
-        state_of: StateOf,
         *,
         terms: Sequence[str] = (),
         keyword_weight: float = 0.0,
@@ -148,22 +155,22 @@ class LogFollower(ABC):
         """
         with self._locked():
             self._open()
-            self._sync(read_log, state_of)
+            self._sync()
             return self._search(vector, tenant, session_id, limit, terms, keyword_weight)
 
-    def _sync(self, read_log: ReadLog, state_of: StateOf) -> set[tuple[str, str]]:
+    def _sync(self) -> set[tuple[str, str]]:
         """Reconcile the memories the log names since the last sync, and the pending ones;
         returns them all. A log that no longer holds the last entry applied, where it was, is
         replayed whole into an emptied index."""
         state = self._read_state()
-        entries = entries_since(state, read_log)
+        entries = entries_since(state, self.source.read_log)
         if entries is None:
             logger.warning(
                 "the store's log went backwards (tier emptied or restored): rebuilding the index at %s", self.location
             )
             self._clear()
             state = fresh_state()
-            entries = read_log(0)
+            entries = self.source.read_log(0)
         todo = [(entry["tenant"], entry["id"], entry.get("at", 0.0)) for entry in state["pending"]]
         last = state["last"]
         now = time.time()
@@ -180,7 +187,7 @@ class LogFollower(ABC):
             first_seen.setdefault((tenant, memory_id), seen_at)
         pending = []
         for (tenant, memory_id), seen_at in first_seen.items():
-            memory_state = state_of(tenant, memory_id)
+            memory_state = self.source.index_state(tenant, memory_id)
             if memory_state is not None:
                 self._apply(tenant, memory_id, memory_state)
             elif time.time() - seen_at < PENDING_GRACE_S:  # an add in flight: its head is not written yet
@@ -251,7 +258,7 @@ class LogFollower(ABC):
     def _rebuilt(self) -> None: ...
 
 
-def entries_since(state: dict, read_log: ReadLog) -> list[bytes] | None:
+def entries_since(state: dict, read_log: Callable[[int], list[bytes]]) -> list[bytes] | None:
     """The log's entries past the last one applied; ``None`` when that entry is not where it was."""
     if state["applied"] == 0:
         return read_log(0)

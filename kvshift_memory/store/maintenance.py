@@ -32,7 +32,7 @@ from .records import MemoryRecord
 from .tiers import BLOB_PREFIX
 
 if TYPE_CHECKING:
-    from .memory_store import MemoryStore
+    from .parts import StoreParts
 
 __all__ = ["CheckReport", "GCReport", "check_store", "collect_garbage", "store_stats"]
 
@@ -65,7 +65,7 @@ class GCReport:
     freed_keys: int = 0
 
 
-def collect_garbage(store: MemoryStore, *, keep_model_fingerprint: str | None = None) -> GCReport:
+def collect_garbage(store: StoreParts, *, keep_model_fingerprint: str | None = None) -> GCReport:
     """Free what no live memory uses.
 
     Removes expired items (:func:`~.items.sweep_items`), erases deleted and expired memories
@@ -118,7 +118,7 @@ def collect_garbage(store: MemoryStore, *, keep_model_fingerprint: str | None = 
     return report
 
 
-def _unowned_item(store: MemoryStore, record: MemoryRecord, now: float, report: GCReport | CheckReport) -> bool:
+def _unowned_item(store: StoreParts, record: MemoryRecord, now: float, report: GCReport | CheckReport) -> bool:
     """Delete ``record``, an item's memory, when no item row names it and it is older than the
     grace a put in flight gets (the row fenced first, so that put can no longer name it).
 
@@ -140,7 +140,7 @@ def _unowned_item(store: MemoryStore, record: MemoryRecord, now: float, report: 
     return True
 
 
-def check_store(store: MemoryStore) -> CheckReport:
+def check_store(store: StoreParts) -> CheckReport:
     """Verify every live memory and fragment, repair what can be rebuilt, and say what was found.
 
     Corrupt fragment blobs are dropped (they are re-encoded from text on next use), an
@@ -219,14 +219,14 @@ def check_store(store: MemoryStore) -> CheckReport:
             report.problems.append(problem)
             store.tier.delete(key)
             report.repaired.append(f"{problem} (reset)")
-    strays = store.index.rebuild(states, store.read_log, store.index_state)
+    strays = store.index.rebuild(states)
     if strays:
         report.problems.append(f"index held {strays} points of no memory")
         report.repaired.append(f"removed {strays} stray index points")
     return report
 
 
-def store_stats(store: MemoryStore, *, model_fingerprint: str | None = None) -> dict[str, Any]:
+def store_stats(store: StoreParts, *, model_fingerprint: str | None = None) -> dict[str, Any]:
     """Counts and sizes: memories (live, superseded versions, deleted), fragments and their
     bytes per codec, and with ``model_fingerprint`` how many fragments are stale (another model's)."""
     out: dict[str, Any] = {
@@ -269,7 +269,7 @@ def store_stats(store: MemoryStore, *, model_fingerprint: str | None = None) -> 
     return out
 
 
-def _verdict(store: MemoryStore, prefix: str, parts: list[str], head: dict | None, now: float) -> str:
+def _verdict(store: StoreParts, prefix: str, parts: list[str], head: dict | None, now: float) -> str:
     """What gc does with the data under a key (split into ``parts``) of a memory whose head is
     ``head``: ``"keep"`` it, ``"free"`` it (no writer can ever publish it), or ``"fence"`` the
     head and then free it (an abandoned write that a stalled writer could still publish)."""
@@ -293,7 +293,7 @@ def _verdict(store: MemoryStore, prefix: str, parts: list[str], head: dict | Non
     return "fence" if _abandoned(store, tenant, memory_id, version, writer, now) else "keep"
 
 
-def _fence(store: MemoryStore, parts: list[str], raw_head: bytes | None, head: dict | None) -> bool:
+def _fence(store: StoreParts, parts: list[str], raw_head: bytes | None, head: dict | None) -> bool:
     """Change the head an abandoned write would be published on, if it is still ``raw_head``, so
     its writer's compare-and-set (against the head it read before writing) can never succeed.
     A first version gets a tombstone (its id is then never used: the writer adds under a new one).
@@ -311,7 +311,7 @@ def _fence(store: MemoryStore, parts: list[str], raw_head: bytes | None, head: d
 
 
 def _move_to_writer_keys(
-    store: MemoryStore, tenant: str, memory_id: str, raw_head: bytes, report: CheckReport
+    store: StoreParts, tenant: str, memory_id: str, raw_head: bytes, report: CheckReport
 ) -> dict | None:
     """A memory an earlier build wrote (versions under ``r/t/m/v``, no writer in its head),
     copied to this layout and published by compare-and-set; the old keys are then removed.
@@ -346,7 +346,7 @@ def _move_to_writer_keys(
     return parse_head(new_head)
 
 
-def _get_or_report(store: MemoryStore, key: str, report: CheckReport) -> bytes | None:
+def _get_or_report(store: StoreParts, key: str, report: CheckReport) -> bytes | None:
     """A key's value, or ``None`` (the problem noted) when the tier refuses to read its row."""
     try:
         return store.tier.get(key)
@@ -355,7 +355,7 @@ def _get_or_report(store: MemoryStore, key: str, report: CheckReport) -> bytes |
         return None
 
 
-def _erase(store: MemoryStore, tenant: str, memory_id: str, head: dict, report: GCReport) -> dict:
+def _erase(store: StoreParts, tenant: str, memory_id: str, head: dict, report: GCReport) -> dict:
     """Tombstone a memory and return its new head; gc's one scan of records, vectors and blobs
     then frees the rest of its data (and frees it on the next gc, if this one is interrupted)."""
     for key in (tier_key("ac", tenant, memory_id), tier_key("al", tenant, memory_id)):
@@ -367,7 +367,7 @@ def _erase(store: MemoryStore, tenant: str, memory_id: str, head: dict, report: 
     return {**head, "deleted": True, "erased": True}
 
 
-def _free(store: MemoryStore, key: str, report: GCReport) -> None:
+def _free(store: StoreParts, key: str, report: GCReport) -> None:
     raw = store.versions.get_row(key) if key.startswith(BLOB_PREFIX) else None
     if store.tier.delete(key):
         report.freed_keys += 1
@@ -377,7 +377,7 @@ def _free(store: MemoryStore, key: str, report: GCReport) -> None:
     store.hot.delete(key)
 
 
-def _abandoned(store: MemoryStore, tenant: str, memory_id: str, version: int, writer: str, now: float) -> bool:
+def _abandoned(store: StoreParts, tenant: str, memory_id: str, version: int, writer: str, now: float) -> bool:
     """Whether a write no head names is over (its writer was killed, or refused and killed
     before it cleaned up), rather than in flight in another process."""
     record = store.versions.read_record(tenant, memory_id, version, writer)

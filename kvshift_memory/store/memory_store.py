@@ -170,6 +170,7 @@ class MemoryStore:
             location,
             int(self.embedder.dimension),
             str(self.embedder.name),
+            source=self,
             lock_timeout_s=float(lock_timeout_s),
             owner=self._store_id,
             api_key=index_api_key,
@@ -215,7 +216,7 @@ class MemoryStore:
         :raises StoreError: the tier refused the write; :class:`StoreBusyError` when gc judged
             every attempt abandoned (a writer stalled past gc's grace, again and again).
         """
-        return self._add(
+        return self.add_owned(
             text,
             tenant=tenant,
             session_id=session_id,
@@ -271,7 +272,7 @@ class MemoryStore:
         try:
             for number, part in enumerate(parts):
                 added.append(
-                    self._add(
+                    self.add_owned(
                         part,
                         tenant=tenant,
                         session_id=session_id,
@@ -290,7 +291,7 @@ class MemoryStore:
             raise
         return added
 
-    def _add(
+    def add_owned(
         self,
         text: str,
         *,
@@ -303,7 +304,14 @@ class MemoryStore:
         item: str | None,
         document: tuple[str, int, str | None] | None = None,
     ) -> MemoryRecord:
-        """:meth:`add`, for a memory that the item row ``item`` owns when given (:mod:`.items`)."""
+        """:meth:`add`, for a memory that the item row ``item`` owns (:mod:`.items` calls it), or
+        that is part ``document[1]`` of document ``document[0]`` from source ``document[2]``
+        (:meth:`add_document` calls it). An owned memory goes with its owner: gc deletes a memory
+        whose item row no longer names it.
+
+        :raises InvalidInputError: as :meth:`add`.
+        :raises StoreError: as :meth:`add`.
+        """
         tenant, session_id = self._ids(tenant, session_id)
         text = inputs.check_text(text, "text")
         importance_score = inputs.check_ratio(importance_score, "importance_score")
@@ -387,8 +395,6 @@ class MemoryStore:
                 tenant,
                 session_id,
                 limit,
-                self.read_log,
-                self.index_state,
                 terms=terms,
                 keyword_weight=self.keyword_weight,
             )

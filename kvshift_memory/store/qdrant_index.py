@@ -17,11 +17,14 @@ import os
 import re
 import uuid
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..exceptions import InvalidInputError, StoreError
 from .keywords import sparse_terms
-from .log_follower import IndexHit, LogFollower, fresh_state, parse_state
+from .log_follower import IndexHit, LogFollower, LogSource, fresh_state, parse_state
+
+if TYPE_CHECKING:
+    from qdrant_client import QdrantClient
 
 __all__ = ["QdrantIndex"]
 
@@ -54,12 +57,13 @@ class QdrantIndex(LogFollower):
         dimension: int,
         embedder_name: str,
         *,
+        source: LogSource,
         lock_timeout_s: float = 30.0,
         owner: str = "",
         api_key: str | None = None,
         collection_prefix: str = "kvshift",
     ) -> None:
-        super().__init__(lock_timeout_s)
+        super().__init__(source, lock_timeout_s)
         if not isinstance(collection_prefix, str) or not _PREFIX.fullmatch(collection_prefix):
             raise InvalidInputError(
                 f"collection_prefix must be 1 to 64 letters, digits, '_' or '-', got {collection_prefix!r}"
@@ -97,7 +101,7 @@ class QdrantIndex(LogFollower):
             raise StoreError(f"cannot open the Qdrant index at {self.location}: {exc}") from exc
         self._client = client
 
-    def _ensure_collections(self, client) -> None:
+    def _ensure_collections(self, client: QdrantClient) -> None:
         from qdrant_client import models
 
         collection = self.collection
@@ -123,7 +127,8 @@ class QdrantIndex(LogFollower):
                 client.delete_collection(self._state_collection)
         else:
             info = client.get_collection(collection)
-            size = info.config.params.vectors.size
+            vectors = info.config.params.vectors  # one unnamed vector per point, as created above
+            size = vectors.size if isinstance(vectors, models.VectorParams) else None
             embedder = (info.config.metadata or {}).get("embedder")
             if size != self.dimension or (embedder is not None and embedder != self.embedder_name):
                 raise StoreError(
