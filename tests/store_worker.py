@@ -3,12 +3,12 @@
 It never imports torch: fragment blobs are built with safetensors' numpy API in the codec's
 int8 layout, so a child starts in a fraction of a second and 50 of them fit in a test.
 
-    python store_worker.py add-forever KV_URL TENANT          # prints each id once its add returned
+    python store_worker.py add-forever KV_URL TENANT          # prints "ready", then each id once its add returned
     python store_worker.py add-and-read KV_URL TENANT COUNT   # prints a JSON report
     python store_worker.py search-forever KV_URL TENANT        # searches every 0.3 s until killed
     python store_worker.py supersede-race KV_URL TENANT MEMORY_ID COUNT NAME START  # prints a JSON report
     python store_worker.py add-skewed KV_URL TENANT COUNT SKEW_S  # adds with time.time() SKEW_S behind; prints ids
-    python store_worker.py item-churn KV_URL TENANT    # puts and deletes items until killed
+    python store_worker.py item-churn KV_URL TENANT           # prints "ready", then puts and deletes items until killed
 """
 
 from __future__ import annotations
@@ -85,6 +85,8 @@ def main() -> None:
         store = MemoryStore(kv_url.removeprefix("file://"), embedder=HashEmbedder())
     else:
         store = MemoryStore(kv_url=kv_url, index_url=":memory:", embedder=HashEmbedder())
+    if command in ("add-forever", "item-churn"):
+        print("ready", flush=True)  # the store is open: a kill from now on lands while it writes
     if command == "add-forever":
         index = 0
         while True:

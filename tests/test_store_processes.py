@@ -42,6 +42,12 @@ def shared_url(request, tmp_path):
     return url
 
 
+def _killable(child: subprocess.Popen, rng: random.Random) -> None:
+    """Wait until ``child`` has opened the store, then a random moment of its writing."""
+    assert child.stdout is not None and child.stdout.readline() == "ready\n", "the worker did not start"
+    time.sleep(rng.uniform(0.05, 0.4))
+
+
 def test_sigkilled_writers_lose_nothing_acknowledged(shared_url):
     """50 times: a child adds memories (and fragments) until SIGKILLed at a random moment."""
     rng = random.Random(7)
@@ -50,7 +56,7 @@ def test_sigkilled_writers_lose_nothing_acknowledged(shared_url):
         child = subprocess.Popen(
             [sys.executable, WORKER, "add-forever", shared_url, "alice"], stdout=subprocess.PIPE, text=True
         )
-        time.sleep(rng.uniform(0.3, 1.0))
+        _killable(child, rng)
         os.kill(child.pid, signal.SIGKILL)
         out, _ = child.communicate()
         for line in out.splitlines():
@@ -224,8 +230,10 @@ def test_kills_during_item_puts_and_deletes_leave_no_orphan_and_nothing_half_vis
 
     rng = random.Random(11)
     for _ in range(40):
-        child = subprocess.Popen([sys.executable, WORKER, "item-churn", shared_url, "alice"])
-        time.sleep(rng.uniform(0.4, 0.9))
+        child = subprocess.Popen(
+            [sys.executable, WORKER, "item-churn", shared_url, "alice"], stdout=subprocess.PIPE, text=True
+        )
+        _killable(child, rng)
         os.kill(child.pid, signal.SIGKILL)
         child.wait()
     store = open_store(shared_url)
