@@ -39,7 +39,7 @@ def _agent(engine, store, session="trip", user="alice", **settings):
 
 def _window_prompt_ids(agent):
     """The token ids the agent's next prompt starts with: its window, as the engine lays it out."""
-    messages = [m for turn in agent._window for m in turn.messages()]
+    messages = [m for turn in agent.turns for m in turn.messages()]
     return agent.engine.planner.plan(messages, reuse="prefix").layout.token_ids
 
 
@@ -91,7 +91,7 @@ def test_blend_turns_reuse_the_window_and_repair_only_new_fragments(bundled_engi
     assert stats.reused_tokens >= first.stats.prompt_tokens  # the whole first turn came from cache
     assert stats.prefilled_tokens + stats.recomputed_tokens <= _new_tokens_bound(bundled_engine, second)
     # a memory the window already shows is not recalled a second time
-    shown = {r.id for turn in agent._window for r in turn.recalled}
+    shown = {r.id for turn in agent.turns for r in turn.recalled}
     third = agent.chat("Is Ana vegetarian, really?")
     assert not {r.id for r in third.recalled} & shown
 
@@ -148,7 +148,7 @@ def test_a_correction_removes_the_old_version_from_the_window(bundled_engine, st
     assert old.id in [r.id for r in first.recalled]
     old_version, new = agent.correct("The budget for the Lisbon trip is 70k euros.", old.id)
     assert (old_version.version, new.version) == (1, 2)
-    assert all(r.id != old.id for turn in agent._window for r in turn.recalled)
+    assert all(r.id != old.id for turn in agent.turns for r in turn.recalled)
     agent.chat("Thanks.")  # the window changed in the middle: the prompt is still valid
 
 

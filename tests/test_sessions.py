@@ -174,7 +174,7 @@ def test_a_saved_turn_naming_another_users_memory_never_shows_it(engines, folder
         store.save_session("trip", json.dumps(forged).encode(), tenant="alice", expected=None)
         agent = _agent(engines[0], store)
         assert agent.window == [("What is the PIN?", "I do not know.")]
-        assert agent._window[0].recalled == ()  # noqa: SLF001
+        assert agent.turns[0].recalled == ()
 
 
 @pytest.mark.model

@@ -270,6 +270,15 @@ class AgentMemory:
         """The working window: (user message, reply) of each turn in it, oldest first."""
         return [(turn.user, turn.reply) for turn in self._window]
 
+    @property
+    def turns(self) -> tuple[Turn, ...]:
+        """The turns of the working window, oldest first, with the memories recalled for each and
+        the messages each adds to the prompt (:meth:`Turn.messages`). Copies: changing one
+        leaves the agent's window as it was."""
+        return tuple(
+            replace(turn, reply_ids=None if turn.reply_ids is None else list(turn.reply_ids)) for turn in self._window
+        )
+
     # ------------------------------------------------------------------ the turn
 
     @overload

@@ -273,13 +273,15 @@ class ChatKVShift(BaseChatModel):
         """
         if not isinstance(text, str):
             raise InvalidInputError(f"text is a string, not {type(text).__name__}")
-        return list(self._engine().tokenizer.encode(text, add_special_tokens=False))
+        return list(self.loaded_engine().tokenizer.encode(text, add_special_tokens=False))
 
     def get_num_tokens_from_messages(self, messages: list[BaseMessage], tools: Sequence[Any] | None = None) -> int:
         """The tokens of the whole prompt these messages make: chat template, tool descriptions and all."""
         bound = [convert_to_openai_tool(tool) for tool in tools or ()]
         prompt = self._engine_messages(messages)
-        return self._engine().planner.plan(prompt, reuse="none", namespace=self.user_id, tools=bound).layout.length
+        return (
+            self.loaded_engine().planner.plan(prompt, reuse="none", namespace=self.user_id, tools=bound).layout.length
+        )
 
     def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> LangSmithParams:
         return LangSmithParams(
@@ -297,7 +299,9 @@ class ChatKVShift(BaseChatModel):
         who = {name: (kwargs or {}).get(name, getattr(self, name)) for name in _TENANT_OPTIONS}
         return to_engine_messages(messages, who["store"], user_id=who["user_id"], session_id=who["session_id"])
 
-    def _engine(self) -> KVShiftEngine:
+    def loaded_engine(self) -> KVShiftEngine:
+        """The engine this chat model answers with: the one it was given, else the process's
+        shared engine for its model and options (loaded on the first call)."""
         if self.engine is not None:
             return self.engine
         return KVShiftEngine.shared(self.model, device=self.device, dtype=self.dtype, **self.model_kwargs)
@@ -348,13 +352,13 @@ class ChatKVShift(BaseChatModel):
             choice = choice.get("function", {}).get("name") or choice.get("name")
         if choice is not None and not isinstance(choice, str):
             raise InvalidInputError(f"tool_choice is a tool's name, 'auto', 'any' or 'none', not {choice!r}")
-        grammar = tool_call_grammar(tools, choice, closed=strict is not False, layout=self._engine().tool_layout)
+        grammar = tool_call_grammar(tools, choice, closed=strict is not False, layout=self.loaded_engine().tool_layout)
         return prompt, grammar, tools
 
     def _message(self, result: GenerationResult | None, tools: bool = False) -> AIMessage:
         assert result is not None  # a generation, or a stream once exhausted, has its result
         stats = result.stats
-        engine = self._engine()
+        engine = self.loaded_engine()
         # everything this call computed is kept as a prefix for the next calls, when prefixes are cached
         created = (
             stats.prompt_tokens - stats.reused_tokens if engine.settings.prefix_cache_bytes else stats.encoded_tokens
@@ -397,7 +401,7 @@ class ChatKVShift(BaseChatModel):
     ) -> ChatResult:
         prompt, grammar, tools = self._prompt(messages, kwargs)
         options = self._options(stop, kwargs, constrained=grammar is not None)
-        result = self._engine().generate(prompt, grammar=grammar, tools=tools, **options)
+        result = self.loaded_engine().generate(prompt, grammar=grammar, tools=tools, **options)
         calls = bool(tools) and grammar is not None  # tool_choice="none": tools described, no call read
         return ChatResult(generations=[ChatGeneration(message=self._message(result, tools=calls))])
 
@@ -411,13 +415,13 @@ class ChatKVShift(BaseChatModel):
         prompt, grammar, tools = self._prompt(messages, kwargs)
         options = self._options(stop, kwargs, constrained=grammar is not None)
         if tools and grammar is not None:  # a call is parsed whole: one chunk holds the answer's text and calls
-            result = self._engine().generate(prompt, grammar=grammar, tools=tools, **options)
+            result = self.loaded_engine().generate(prompt, grammar=grammar, tools=tools, **options)
             last = self._last_chunk(result, tools=True)
             if run_manager is not None and last.text:
                 run_manager.on_llm_new_token(last.text)
             yield ChatGenerationChunk(message=last)
             return
-        pieces = self._engine().generate(prompt, stream=True, grammar=grammar, tools=tools, **options)
+        pieces = self.loaded_engine().generate(prompt, stream=True, grammar=grammar, tools=tools, **options)
         finished = False
         try:
             for piece in pieces:

@@ -184,9 +184,9 @@ def test_a_model_device_and_dtype_are_picked_without_building_an_engine():
 
     one = ChatKVShift(device="cpu", dtype="float32", max_tokens=8)
     other = ChatKVShift(device="cpu", dtype="float32", max_tokens=4, top_k=1)
-    assert one._engine() is other._engine() is KVShiftEngine.shared(device="cpu", dtype="float32")
+    assert one.loaded_engine() is other.loaded_engine() is KVShiftEngine.shared(device="cpu", dtype="float32")
     tuned = ChatKVShift(device="cpu", dtype="float32", model_kwargs={"recompute_ratio": 0.25})
-    assert tuned._engine() is not one._engine() and tuned._engine().settings.recompute_ratio == 0.25
+    assert tuned.loaded_engine() is not one.loaded_engine() and tuned.loaded_engine().settings.recompute_ratio == 0.25
     # top_k=1 samples the most likely token: the greedy answer, at any temperature
     question = "Name a city in Portugal."
     greedy = one.invoke(question).content

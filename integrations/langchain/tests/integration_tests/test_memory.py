@@ -57,7 +57,7 @@ def _chain(store, **llm_options) -> tuple[ConversationChain, ChatKVShift]:
 
 def _spy_prompts(monkeypatch, llm: ChatKVShift) -> list:
     """Record what the engine is asked to read: messages, and the prompt's token ids decoded."""
-    engine = llm._engine()
+    engine = llm.loaded_engine()
     seen = []
     original = engine.generate
 
@@ -79,7 +79,7 @@ def test_a_conversation_chain_reads_most_of_each_prompt_from_the_cache(store, mo
     # the facts' fragments encoded when they were stored, as an application would: a memory with
     # no fragment is computed with the question, which this share would count as computed
     facts = [hit for fact in FACTS for hit in store.search(fact, tenant="alice", k=1)]
-    llm._engine().warm(facts, namespace="alice")
+    llm.loaded_engine().warm(facts, namespace="alice")
     prompts = _spy_prompts(monkeypatch, llm)
     for question in QUESTIONS:
         chain.invoke({"input": question})

@@ -32,7 +32,7 @@ def store(tmp_path):
 def _agent(store):
     llm = ChatKVShift(store=store, user_id="alice", max_tokens=20)
     placed = []
-    engine = llm._engine()
+    engine = llm.loaded_engine()
     original = engine.generate
 
     def generate(messages, *args, **kwargs):
