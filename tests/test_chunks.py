@@ -305,9 +305,12 @@ _KILLED_WRITER = textwrap.dedent(
     print("added", record.id, flush=True)
     text = {text!r}
     for turn in range(1000):
-        engine.generate(text + f" Turn {{turn}}?", kv_store=store, namespace="alice", max_new_tokens=2)
+        # from turn 3 on every chunk is new (a round number leads the text): the kill lands mid-write
+        lead = f"Round {{turn}}. " if turn > 2 else ""
+        engine.generate(lead + text + f" Turn {{turn}}?", kv_store=store, namespace="alice", max_new_tokens=2)
         if turn == 2:
-            print("writing", flush=True)
+            # the first turns' chunks are acknowledged (written) before the kill, so some must restore
+            print("writing" if engine.flush_chunks(timeout_s=120) else "not flushed", flush=True)
     """
 )
 
