@@ -123,6 +123,48 @@ def test_conversion_is_written_once_and_marked_complete(fake_gguf):
     assert [p.name for p in folder.parent.iterdir()] == [folder.name]
 
 
+def test_a_conversion_parses_the_gguf_file_once_though_transformers_opens_it_three_times(
+    fake_gguf, monkeypatch, tokenizer
+):
+    import gguf
+    import numpy as np
+    import transformers
+
+    writer = gguf.GGUFWriter(str(fake_gguf), "llama")  # a real (tiny) GGUF file this time
+    writer.add_token_list(["a", "b", "c"])
+    writer.add_tensor("x", np.zeros((2, 3), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    parsed, opened = [], []
+
+    class CountingReader(gguf.GGUFReader):
+        def __init__(self, path, mode="r"):
+            parsed.append(path)
+            super().__init__(path, mode)
+
+    monkeypatch.setattr(gguf, "GGUFReader", CountingReader)
+
+    def read(source, gguf_file):  # as transformers does: the reader looked up on the package at each load
+        opened.append(gguf.GGUFReader(source / gguf_file))
+
+    def load_tokenizer(cls, source, *args, gguf_file=None, **kwargs):
+        read(source, gguf_file)
+        return tokenizer
+
+    def load_model(cls, source, *args, gguf_file=None, **kwargs):
+        read(source, gguf_file)  # the config
+        read(source, gguf_file)  # the weights
+        return tiny_model(TINY_CONFIGS["llama"]())
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", classmethod(load_tokenizer))
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", classmethod(load_model))
+    assert (loading.shipped_model_folder() / "kvshift-conversion.json").exists()
+    assert len(opened) == 3 and len(parsed) == 1 and all(reader is opened[0] for reader in opened)
+    assert gguf.GGUFReader is CountingReader  # put back after the conversion
+
+
 def test_a_conversion_of_an_older_format_is_replaced(fake_gguf):
     models = loading.kvshift_home() / "models"
     older = models / SHIPPED_MODELS[DEFAULT_MODEL].source_key()

@@ -2,8 +2,9 @@
 transformers loads it.
 
 The shipped models (:mod:`.shipped`: SmolLM2-135M-Instruct by default, Gemma 3 270M) come as
-GGUF files inside PyPI packages. A GGUF load dequantises every tensor (~16 s), so the first load
-converts it once to safetensors under ``$KVSHIFT_HOME/models`` (~0.3 s to load). The conversion is
+GGUF files inside PyPI packages. A GGUF load parses the file's metadata and dequantises every
+tensor, which is slow, so the first load converts it once to safetensors under
+``$KVSHIFT_HOME/models``, which load in a fraction of the time. The conversion is
 written to a temporary folder and renamed into place last: a conversion killed half-way leaves only
 a temporary folder, which is never loaded and is cleaned up by the next one.
 """
@@ -16,9 +17,12 @@ import json
 import os
 import shutil
 import tempfile
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
@@ -119,6 +123,37 @@ def _file_digest(path: Path) -> str:
     return sha.hexdigest()
 
 
+_GGUF_READS = threading.Lock()
+
+
+@contextmanager
+def _gguf_parsed_once() -> Iterator[None]:
+    """Within the block, ``gguf.GGUFReader`` parses each file once, however often it is opened.
+
+    transformers opens the file three times in one conversion (the tokenizer's config, the model's
+    config, the weights), and parsing the metadata (a vocabulary of up to 262k strings read one at a
+    time) costs more than dequantising every tensor. A reader only reads, so one can serve all
+    three. The lock keeps two conversions from swapping the class under each other.
+    """
+    import gguf
+
+    original = gguf.GGUFReader
+    readers: dict[tuple[str, str], Any] = {}
+
+    def read_once(path: str | os.PathLike[str], mode: Literal["r", "r+", "c"] = "r") -> Any:
+        key = (os.fspath(path), mode)
+        if key not in readers:
+            readers[key] = original(path, mode)
+        return readers[key]
+
+    with _GGUF_READS:
+        gguf.GGUFReader = read_once  # type: ignore[misc,assignment]
+        try:
+            yield
+        finally:
+            gguf.GGUFReader = original  # type: ignore[misc]
+
+
 def _convert_gguf(shipped: ShippedModel, target: Path) -> None:
     """Dequantise the model's GGUF file into a safetensors folder at ``target``, atomically."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -135,9 +170,10 @@ def _convert_gguf(shipped: ShippedModel, target: Path) -> None:
     try:
         # a split file is joined inside the work folder, and removed from it before publishing
         gguf = shipped.write_gguf(work / "joined.gguf")
-        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        # typed loosely: the quantiser record below is set on attributes the stubs do not declare
-        model: Any = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        with _gguf_parsed_once():
+            tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+            # typed loosely: the quantiser record below is set on attributes the stubs do not declare
+            model: Any = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
         # transformers refuses to save a model it believes GGUF-quantised; the weights are already
         # dequantised to fp32, so dropping the quantiser's record is all it takes.
         model.hf_quantizer = None
