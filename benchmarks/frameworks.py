@@ -96,7 +96,7 @@ def langchain_run(folder: Path, reuse: str | None) -> list[dict]:
         KVShiftEngine.shared().warm(
             [store.add(fact, tenant="alice", session_id="earlier") for fact in FACTS],
             lead_fragments=False,
-            namespace="alice",
+            tenant="alice",
         )
         llm = ChatKVShift(store=store, user_id="alice", max_tokens=20, reuse=reuse, callbacks=[stats])
         with warnings.catch_warnings():

@@ -2,7 +2,7 @@
 
 Each LoCoMo session (a whole dated transcript) is one memory of its conversation's user, added to
 a :class:`MemoryStore` and warmed the way an agent stores memories: ``engine.warm(records,
-namespace=user)``, with no system message known at store time (fragments are encoded after the
+tenant=user)``, with no system message known at store time (fragments are encoded after the
 engine's own). Each question of the extractive single-hop subset (category 4) then recalls
 ``--k`` sessions from the store (a MiniLM search) and is asked under another system message,
 with the recalled sessions as memories, in these conditions (same model, same run):
@@ -89,10 +89,10 @@ def questions(count: int, seed: int) -> list[dict]:
     return drawn[:count]
 
 
-def ttft(engine: KVShiftEngine, messages, memories, namespace: str, reuse: str | None, forget_fragments: bool):
+def ttft(engine: KVShiftEngine, messages, memories, tenant: str, reuse: str | None, forget_fragments: bool):
     """One call's TTFT and stats, with the prompt prefixes forgotten first."""
     engine.clear_cache(prefixes=True, fragments=forget_fragments)
-    result = engine.generate(messages, memories, reuse=reuse, max_new_tokens=1, namespace=namespace)
+    result = engine.generate(messages, memories, reuse=reuse, max_new_tokens=1, tenant=tenant)
     return result.stats.ttft_s, result.stats
 
 
@@ -105,14 +105,14 @@ def run_model(name: str, args, embedder: MiniLMEmbedder) -> dict:
         store = MemoryStore(folder, embedder=embedder, index_url=":memory:")
         for sample_id in sorted({qa["sample_id"] for qa in asked + asked_of_agents}):
             for text in session_memories(samples[sample_id]):  # one at a time: together they pass the context window
-                engine.warm([store.add(text, tenant=sample_id)], namespace=sample_id, lead_fragments=False)
+                engine.warm([store.add(text, tenant=sample_id)], tenant=sample_id, lead_fragments=False)
         rows = []
         for index, qa in enumerate(asked):
             user = qa["sample_id"]
             recalled = store.search(qa["question"], tenant=user, k=args.k)
             texts = [record.text for record in recalled]
             messages = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": qa["question"]}]
-            plan = engine.planner.plan(messages, recalled, namespace=user)
+            plan = engine.planner.plan(messages, recalled, tenant=user)
             row: dict = {
                 "question": qa["question"],
                 "answer": qa["answer"],
@@ -120,22 +120,20 @@ def run_model(name: str, args, embedder: MiniLMEmbedder) -> dict:
                 "prompt_tokens": plan.layout.length,
                 "ttft_s": {},
             }
-            reference = engine.generate(messages, recalled, reuse="none", max_new_tokens=ANSWER_TOKENS, namespace=user)
+            reference = engine.generate(messages, recalled, reuse="none", max_new_tokens=ANSWER_TOKENS, tenant=user)
             engine.clear_cache(prefixes=True, fragments=False)
-            default = engine.generate(messages, recalled, max_new_tokens=ANSWER_TOKENS, namespace=user)
+            default = engine.generate(messages, recalled, max_new_tokens=ANSWER_TOKENS, tenant=user)
             row["none_answer"], row["default_answer"] = reference.text, default.text
             row["none_right"] = contains_answer(reference.text, str(qa["answer"]))
             row["default_right"] = contains_answer(default.text, str(qa["answer"]))
             row["greedy_match"] = default.token_ids == reference.token_ids
             row["default_memory_reuse"] = default.stats.memory_reuse
             continuation = reference.token_ids or [min(engine.runner.eos_token_ids)]  # an empty answer: its end
-            full = engine.score(
-                messages, recalled, continuation, reuse="none", return_distributions=True, namespace=user
-            )
+            full = engine.score(messages, recalled, continuation, reuse="none", return_distributions=True, tenant=user)
             for condition, memories, reuse in (("reorder", recalled[::-1], "none"), ("default", recalled, None)):
                 engine.clear_cache(prefixes=True, fragments=False)
                 scored = engine.score(
-                    messages, memories, continuation, reuse=reuse, return_distributions=True, namespace=user
+                    messages, memories, continuation, reuse=reuse, return_distributions=True, tenant=user
                 )
                 assert full.distributions is not None and scored.distributions is not None
                 kl, top1 = kl_and_top1(full.distributions, scored.distributions)
@@ -165,15 +163,13 @@ def run_model(name: str, args, embedder: MiniLMEmbedder) -> dict:
             user = qa["sample_id"]
             recalled = store.search(qa["question"], tenant=user, k=args.k)
             messages = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": qa["question"]}]
-            engine.warm(recalled, messages, namespace=user, lead_fragments=False)
+            engine.warm(recalled, messages, tenant=user, lead_fragments=False)
             continuation = engine.generate(
-                messages, recalled, reuse="none", max_new_tokens=ANSWER_TOKENS, namespace=user
+                messages, recalled, reuse="none", max_new_tokens=ANSWER_TOKENS, tenant=user
             ).token_ids
-            full = engine.score(
-                messages, recalled, continuation, reuse="none", return_distributions=True, namespace=user
-            )
+            full = engine.score(messages, recalled, continuation, reuse="none", return_distributions=True, tenant=user)
             engine.clear_cache(prefixes=True, fragments=False)
-            scored = engine.score(messages, recalled, continuation, return_distributions=True, namespace=user)
+            scored = engine.score(messages, recalled, continuation, return_distributions=True, tenant=user)
             assert full.distributions is not None and scored.distributions is not None
             row["exact_kl"], row["exact_top1"] = kl_and_top1(full.distributions, scored.distributions)
             row["ttft_s"]["exact prefix"] = statistics.median(

@@ -89,7 +89,7 @@ def conversation(engine: KVShiftEngine, tokens: int) -> list[dict[str, Any]]:
 
 def answered(engine: KVShiftEngine, store: MemoryStore, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """``messages`` and their answer, computed once with ``store`` (its K/V written there)."""
-    first = engine.generate(messages, kv_store=store, namespace="alice", max_new_tokens=ANSWER_TOKENS)
+    first = engine.generate(messages, kv_store=store, tenant="alice", max_new_tokens=ANSWER_TOKENS)
     assert engine.flush_chunks(timeout_s=600), "the chunks were not written"
     return [*messages, {"role": "assistant", "content": first.text, "token_ids": first.token_ids}]
 
@@ -104,10 +104,10 @@ def timed(engine: KVShiftEngine, turn, reopen) -> tuple[float, Any]:
     """TTFT of ``turn`` after a restart: restored from the store ``reopen`` opens, or recomputed (``None``)."""
     if reopen is None:
         engine.clear_cache()
-        result = engine.generate(turn, reuse="none", namespace="alice", max_new_tokens=1)
+        result = engine.generate(turn, reuse="none", tenant="alice", max_new_tokens=1)
     else:
         store = restarted(engine, reopen)
-        result = engine.generate(turn, kv_store=store, namespace="alice", max_new_tokens=1)
+        result = engine.generate(turn, kv_store=store, tenant="alice", max_new_tokens=1)
         assert engine.flush_chunks(timeout_s=600)  # its own chunks: written before the next run starts
         store.close()
     return result.stats.ttft_s, result.stats
@@ -116,17 +116,17 @@ def timed(engine: KVShiftEngine, turn, reopen) -> tuple[float, Any]:
 def fidelity(engine: KVShiftEngine, turn, open_exact, open_int8) -> dict[str, Any]:
     """Greedy answers with the exact codec against recompute; int8's KL over recompute's answer."""
     engine.clear_cache()
-    reference = engine.generate(turn, reuse="none", namespace="alice", max_new_tokens=ANSWER_TOKENS)
+    reference = engine.generate(turn, reuse="none", tenant="alice", max_new_tokens=ANSWER_TOKENS)
     out: dict[str, Any] = {"answer_tokens": len(reference.token_ids)}
     distributions = {}
     for label, reopen in (("fp32", open_exact), ("int8", open_int8)):
         store = restarted(engine, reopen)
-        answer = engine.generate(turn, kv_store=store, namespace="alice", max_new_tokens=ANSWER_TOKENS)
+        answer = engine.generate(turn, kv_store=store, tenant="alice", max_new_tokens=ANSWER_TOKENS)
         out[f"{label}_restored_tokens"] = answer.stats.restored_tokens
         out[f"{label}_greedy_equal"] = answer.token_ids == reference.token_ids
         engine.clear_cache()
         scored = engine.score(
-            turn, continuation=reference.token_ids, kv_store=store, namespace="alice", return_distributions=True
+            turn, continuation=reference.token_ids, kv_store=store, tenant="alice", return_distributions=True
         )
         assert scored.distributions is not None
         distributions[label] = scored.distributions

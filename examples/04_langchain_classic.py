@@ -68,7 +68,7 @@ def run(reuse: str | None, folder: Path) -> ReuseStats:
         engine.warm(
             [store.add(text, tenant="alice", session_id="spring") for text in EARLIER],
             lead_fragments=False,
-            namespace="alice",
+            tenant="alice",
         )
         chain = ConversationChain(
             llm=ChatKVShift(store=store, user_id="alice", max_tokens=32, reuse=reuse, callbacks=[stats]),

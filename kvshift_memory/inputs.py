@@ -18,7 +18,7 @@ __all__ = [
     "check_identifier",
     "check_memories",
     "check_messages",
-    "check_namespace",
+    "check_tenant",
     "check_number",
     "check_positive_int",
     "check_ratio",
@@ -62,7 +62,7 @@ def check_identifier(value: Any, name: str) -> str:
 
     NFC is what makes ``"José"`` typed on two keyboards (composed ``é`` or ``e`` plus an accent)
     one tenant, not two; leading or trailing whitespace is refused rather than stripped, so
-    ``"alice "`` never silently becomes someone's namespace.
+    ``"alice "`` never silently becomes someone's tenant.
 
     :returns: the id in NFC form.
     :raises InvalidInputError: not a str, empty, too long, blank at either end, or holding
@@ -82,9 +82,9 @@ def check_identifier(value: Any, name: str) -> str:
     return value
 
 
-def check_namespace(value: Any) -> str:
-    """A caller's reuse namespace (an id, as :func:`check_identifier`); ``None`` is the shared default ``""``."""
-    return "" if value is None else check_identifier(value, "namespace")
+def check_tenant(value: Any) -> str:
+    """A caller's reuse tenant (an id, as :func:`check_identifier`); ``None`` is the shared default ``""``."""
+    return "" if value is None else check_identifier(value, "tenant")
 
 
 def check_messages(messages: Any) -> list[dict[str, Any]]:

@@ -32,7 +32,7 @@ class Engine(Protocol):
         recompute_ratio: float | None = None,
         max_new_tokens: int = 64,
         stream: Literal[False] = False,
-        namespace: str | None = None,
+        tenant: str | None = None,
         kv_store: Any = None,
     ) -> GenerationResult: ...
 
@@ -46,7 +46,7 @@ class Engine(Protocol):
         recompute_ratio: float | None = None,
         max_new_tokens: int = 64,
         stream: Literal[True],
-        namespace: str | None = None,
+        tenant: str | None = None,
         kv_store: Any = None,
     ) -> GenerationStream: ...
 
@@ -56,10 +56,10 @@ class Engine(Protocol):
         messages: Sequence[dict[str, Any]] | str | None = None,
         *,
         lead_fragments: bool | None = None,
-        namespace: str | None = None,
+        tenant: str | None = None,
     ) -> int: ...
 
-    def count_tokens(self, text: str, *, namespace: str | None = None) -> int: ...
+    def count_tokens(self, text: str, *, tenant: str | None = None) -> int: ...
 
 
 class Store(Protocol):
@@ -117,7 +117,7 @@ class ChunkStore(Protocol):
     group_size: int
 
     def load_chunk(self, key: str, *, tenant: str | None) -> bytes | None:
-        """The blob stored under ``key`` for ``tenant`` (``None``: the default namespace), or ``None``."""
+        """The blob stored under ``key`` for ``tenant`` (``None``: the default tenant), or ``None``."""
         ...
 
     def save_chunk(self, key: str, blob: bytes, *, tenant: str | None) -> None:

@@ -415,8 +415,8 @@ def test_a_long_document_is_stored_in_parts_and_shifted_in_by_default(bundled_en
     assert reply.stats.fragments_missed == 0 and reply.stats.encoded_tokens == 0
     short = agent.add("Tea, no sugar.")  # too short for shifting to pay: no fragment encoded for it
     assert not bundled_engine.runner.fragments.available(
-        bundled_engine.planner.plan("q", [short], namespace=agent.user_id).layout,
-        bundled_engine.planner.plan("q", [short], namespace=agent.user_id).layout.fragments[0],
+        bundled_engine.planner.plan("q", [short], tenant=agent.user_id).layout,
+        bundled_engine.planner.plan("q", [short], tenant=agent.user_id).layout.fragments[0],
     )
     with pytest.raises(InvalidInputError):
         agent.add_document("  ")

@@ -35,8 +35,8 @@ def _engine(tokenizer, family="llama", seed=0) -> KVShiftEngine:
     return engine
 
 
-def _written(engine, store, namespace="alice", messages=QUESTION):
-    result = engine.generate(messages, kv_store=store, namespace=namespace, max_new_tokens=4)
+def _written(engine, store, tenant="alice", messages=QUESTION):
+    result = engine.generate(messages, kv_store=store, tenant=tenant, max_new_tokens=4)
     assert engine.flush_chunks(timeout_s=60)
     return result
 
@@ -52,16 +52,16 @@ def test_a_new_engine_restores_the_stored_chunks_and_answers_as_recompute(tmp_pa
     assert chunks == filled // CHUNK + 1 and filled % CHUNK
 
     later = _engine(tokenizer, family)
-    recomputed = later.generate(QUESTION, reuse="none", namespace="alice", max_new_tokens=4)
+    recomputed = later.generate(QUESTION, reuse="none", tenant="alice", max_new_tokens=4)
     later.clear_cache()  # what was computed stays in the prefix cache: the next call must miss it
-    restored = later.generate(QUESTION, kv_store=store, namespace="alice", max_new_tokens=4)
+    restored = later.generate(QUESTION, kv_store=store, tenant="alice", max_new_tokens=4)
     n = restored.stats.prompt_tokens
     assert restored.stats.restored_tokens == restored.stats.reused_tokens == n - 1  # all but the last token
     assert restored.stats.prefilled_tokens == n - restored.stats.restored_tokens
     assert restored.token_ids == recomputed.token_ids
     later.clear_cache()
-    scored = later.score(QUESTION, continuation=restored.token_ids, kv_store=store, namespace="alice")
-    exact = later.score(QUESTION, continuation=restored.token_ids, reuse="none", namespace="alice")
+    scored = later.score(QUESTION, continuation=restored.token_ids, kv_store=store, tenant="alice")
+    exact = later.score(QUESTION, continuation=restored.token_ids, reuse="none", tenant="alice")
     assert scored.stats.restored_tokens > 0
     assert max(abs(a - b) for a, b in zip(scored, exact, strict=True)) < 1e-4
 
@@ -70,33 +70,33 @@ def test_the_next_turn_restores_the_answer_too(tmp_path, tokenizer):
     store = _store(tmp_path)
     engine = _engine(tokenizer)
     first = _written(engine, store)
-    said = torch.cat([engine.planner.plan(QUESTION, namespace="alice").layout.token_ids, torch.tensor(first.token_ids)])
+    said = torch.cat([engine.planner.plan(QUESTION, tenant="alice").layout.token_ids, torch.tensor(first.token_ids)])
     turn = [*QUESTION, {"role": "assistant", "content": first.text, "token_ids": first.token_ids}]
     turn.append({"role": "user", "content": "And flat 4?"})
     later = _engine(tokenizer)
     stored_until = said.numel() - 1  # full chunks and the tail; the answer's last token has no K/V yet
-    assert torch.equal(later.planner.plan(turn, namespace="alice").layout.token_ids[: said.numel()], said)
-    restored = later.generate(turn, kv_store=store, namespace="alice", max_new_tokens=4)
+    assert torch.equal(later.planner.plan(turn, tenant="alice").layout.token_ids[: said.numel()], said)
+    restored = later.generate(turn, kv_store=store, tenant="alice", max_new_tokens=4)
     assert restored.stats.restored_tokens == stored_until
 
 
-def _row(engine, store, namespace: str, index: int) -> str:
-    """The tier key of chunk ``index`` of QUESTION's prompt for ``namespace``."""
+def _row(engine, store, tenant: str, index: int) -> str:
+    """The tier key of chunk ``index`` of QUESTION's prompt for ``tenant``."""
     from kvshift_memory.engine.chunks import _chain, _key
     from kvshift_memory.store.layout import tier_key
 
-    ids = engine.planner.plan(QUESTION, namespace=namespace).layout.token_ids
-    digest = _chain(engine.runner.chunks.identity(store, namespace), ids, CHUNK, index + 1)[index + 1]  # after it
-    return tier_key("c", namespace, _key(digest, exact=True))
+    ids = engine.planner.plan(QUESTION, tenant=tenant).layout.token_ids
+    digest = _chain(engine.runner.chunks.identity(store, tenant), ids, CHUNK, index + 1)[index + 1]  # after it
+    return tier_key("c", tenant, _key(digest, exact=True))
 
 
 def test_a_chunk_of_one_tenant_never_restores_for_another(tmp_path, tokenizer):
     store = _store(tmp_path)
     engine = _engine(tokenizer)
-    _written(engine, store, namespace="alice")
+    _written(engine, store, tenant="alice")
     later = _engine(tokenizer)
     for other in ("bob", "Alice", None):
-        result = later.generate(QUESTION, kv_store=store, namespace=other, max_new_tokens=2)
+        result = later.generate(QUESTION, kv_store=store, tenant=other, max_new_tokens=2)
         assert result.stats.restored_tokens == 0 and result.stats.chunks_rejected == 0, other
     later.flush_chunks(timeout_s=60)
     # alice's first chunk copied over bob's by someone with access to the folder: refused by its header
@@ -104,7 +104,7 @@ def test_a_chunk_of_one_tenant_never_restores_for_another(tmp_path, tokenizer):
     bobs = _row(engine, store, "bob", 0)
     assert chunks.get(bobs) is not None
     chunks.set(bobs, chunks.get(_row(engine, store, "alice", 0)))
-    result = _engine(tokenizer).generate(QUESTION, kv_store=store, namespace="bob", max_new_tokens=2)
+    result = _engine(tokenizer).generate(QUESTION, kv_store=store, tenant="bob", max_new_tokens=2)
     assert result.stats.restored_tokens == 0 and result.stats.chunks_rejected == 1
 
 
@@ -125,9 +125,9 @@ def test_a_damaged_chunk_is_refused_and_its_tokens_computed(tmp_path, tokenizer,
     second = _row(engine, store, "alice", 1)
     chunks.set(second, damage(chunks.get(second)))
     later = _engine(tokenizer)
-    recomputed = later.generate(QUESTION, reuse="none", namespace="alice", max_new_tokens=4)
+    recomputed = later.generate(QUESTION, reuse="none", tenant="alice", max_new_tokens=4)
     later.clear_cache()
-    result = later.generate(QUESTION, kv_store=store, namespace="alice", max_new_tokens=4)
+    result = later.generate(QUESTION, kv_store=store, tenant="alice", max_new_tokens=4)
     assert result.stats.chunks_rejected == 1 and result.stats.restored_tokens == CHUNK  # the first chunk only
     assert result.token_ids == recomputed.token_ids
 
@@ -137,9 +137,9 @@ def test_a_chunk_of_another_model_or_codec_is_never_read(tmp_path, tokenizer):
     _written(_engine(tokenizer), store)
     other_model = _engine(tokenizer, seed=1)
     assert other_model.fingerprint != _engine(tokenizer).fingerprint
-    assert other_model.generate(QUESTION, kv_store=store, namespace="alice").stats.restored_tokens == 0
+    assert other_model.generate(QUESTION, kv_store=store, tenant="alice").stats.restored_tokens == 0
     int8 = _store(tmp_path, codec="int8")  # the same folder, read with another codec
-    assert _engine(tokenizer).generate(QUESTION, kv_store=int8, namespace="alice").stats.restored_tokens == 0
+    assert _engine(tokenizer).generate(QUESTION, kv_store=int8, tenant="alice").stats.restored_tokens == 0
 
 
 def test_the_cost_model_may_prefer_computing(tmp_path, tokenizer):
@@ -149,14 +149,14 @@ def test_the_cost_model_may_prefer_computing(tmp_path, tokenizer):
     for tokens in (1, 100, 1000):
         engine.costs.observe_pass(tokens, tokens * 1e-6)
     engine.costs.observe_fetch(CHUNK, 1.0)  # a slow store: a second per chunk
-    result = engine.generate(QUESTION, kv_store=store, namespace="alice", max_new_tokens=4)
+    result = engine.generate(QUESTION, kv_store=store, tenant="alice", max_new_tokens=4)
     assert result.stats.restored_tokens == 0
 
 
 def test_prefix_reuse_off_means_no_restore(tmp_path, tokenizer):
     store = _store(tmp_path)
     _written(_engine(tokenizer), store)
-    result = _engine(tokenizer).generate(QUESTION, kv_store=store, namespace="alice", reuse="none")
+    result = _engine(tokenizer).generate(QUESTION, kv_store=store, tenant="alice", reuse="none")
     assert result.stats.restored_tokens == 0
 
 
@@ -217,7 +217,7 @@ def test_a_redis_store_restores_across_engines(backend, request, tokenizer):
     store = MemoryStore(kv_url=redis_url, index_url=":memory:", embedder=HashEmbedder(), codec="fp32")
     first = _written(_engine(tokenizer), store)
     again = MemoryStore(kv_url=redis_url, index_url=":memory:", embedder=HashEmbedder(), codec="fp32")
-    result = _engine(tokenizer).generate(QUESTION, kv_store=again, namespace="alice", max_new_tokens=4)
+    result = _engine(tokenizer).generate(QUESTION, kv_store=again, tenant="alice", max_new_tokens=4)
     assert result.stats.restored_tokens == result.stats.prompt_tokens - 1
     assert result.token_ids == first.token_ids
     assert again.stats()["chunks"] == store.stats()["chunks"] > 0
@@ -283,7 +283,7 @@ def test_an_unreachable_store_costs_a_prefill_not_an_answer(tmp_path, tokenizer)
             raise StoreError("down")
 
     engine = _engine(tokenizer)
-    result = engine.generate(QUESTION, kv_store=Down(), namespace="alice", max_new_tokens=2)
+    result = engine.generate(QUESTION, kv_store=Down(), tenant="alice", max_new_tokens=2)
     assert engine.flush_chunks(timeout_s=60) and result.stats.restored_tokens == 0 and result.text is not None
 
 
@@ -307,7 +307,7 @@ _KILLED_WRITER = textwrap.dedent(
     for turn in range(1000):
         # from turn 3 on every chunk is new (a round number leads the text): the kill lands mid-write
         lead = f"Round {{turn}}. " if turn > 2 else ""
-        engine.generate(lead + text + f" Turn {{turn}}?", kv_store=store, namespace="alice", max_new_tokens=2)
+        engine.generate(lead + text + f" Turn {{turn}}?", kv_store=store, tenant="alice", max_new_tokens=2)
         if turn == 2:
             # the first turns' chunks are acknowledged (written) before the kill, so some must restore
             print("writing" if engine.flush_chunks(timeout_s=120) else "not flushed", flush=True)
@@ -333,8 +333,8 @@ def test_kill_9_while_chunks_are_written_loses_no_memory_and_restores_nothing_wr
         engine = _engine(tokenizer)
         for turn in (0, 1, 2, 3):
             messages = LONG_TEXT + f" Turn {turn}?"
-            restored = engine.generate(messages, kv_store=store, namespace="alice", max_new_tokens=2)
-            recomputed = engine.generate(messages, reuse="none", namespace="alice", max_new_tokens=2)
+            restored = engine.generate(messages, kv_store=store, tenant="alice", max_new_tokens=2)
+            recomputed = engine.generate(messages, reuse="none", tenant="alice", max_new_tokens=2)
             engine.clear_cache()
             assert restored.token_ids == recomputed.token_ids
             assert restored.stats.restored_tokens > 0

@@ -473,26 +473,45 @@ def test_a_prefix_already_cached_is_not_cached_twice(tiny_engine):
     assert len(tiny_engine.runner.prefix_cache) == grown
 
 
-def test_fragments_and_prefixes_serve_only_their_namespace(tiny_engine, tmp_path, embedder):
+def test_fragments_and_prefixes_serve_only_their_tenant(tiny_engine, tmp_path, embedder):
     from kvshift_memory import MemoryStore
 
     store = MemoryStore(tmp_path / "s", embedder=embedder)
     record = store.add("Alice's door code is 4719.", tenant="alice")
     tiny_engine.clear_cache()
-    assert tiny_engine.warm([record], namespace="alice") == 1
+    assert tiny_engine.warm([record], tenant="alice") == 1
     question = "What is the door code?"
-    other = tiny_engine.generate(question, [record.text], reuse="blend", max_new_tokens=1, namespace="bob").stats
+    other = tiny_engine.generate(question, [record.text], reuse="blend", max_new_tokens=1, tenant="bob").stats
     assert (other.fragments_hit, other.reused_tokens) == (0, 0)  # bob's first call reuses nothing of alice's
-    own = tiny_engine.generate(question, [record.text], reuse="blend", max_new_tokens=1, namespace="alice").stats
+    own = tiny_engine.generate(question, [record.text], reuse="blend", max_new_tokens=1, tenant="alice").stats
     assert own.fragments_hit == 1 and own.reused_tokens > 0
     assert other.fragments_missed == 1  # computed with bob's question, then encoded for bob after his answer
-    assert tiny_engine.warm([record.text], namespace="bob") == 0
-    assert tiny_engine.warm([record.text], namespace="carol") == 1  # encoded again, not served from another's pool
-    assert tiny_engine.warm([record.text], namespace="alice") == 0
+    assert tiny_engine.warm([record.text], tenant="bob") == 0
+    assert tiny_engine.warm([record.text], tenant="carol") == 1  # encoded again, not served from another's pool
+    assert tiny_engine.warm([record.text], tenant="alice") == 0
     for bad in ("", " alice", 3, "a\n"):
         with pytest.raises(InvalidInputError):
-            tiny_engine.generate(question, namespace=bad)
+            tiny_engine.generate(question, tenant=bad)
     store.close()
+
+
+def test_the_former_keyword_namespace_still_names_the_tenant_with_a_warning(tiny_engine):
+    question = "What is the door code?"
+    tiny_engine.clear_cache()
+    tiny_engine.generate(question, max_new_tokens=1, tenant="dora")
+    with pytest.warns(DeprecationWarning, match="pass tenant= instead"):
+        again = tiny_engine.generate(question, max_new_tokens=1, namespace="dora").stats
+    assert again.reused_tokens > 0  # the same tenant's cache: the old name means the same thing
+    with pytest.warns(DeprecationWarning):
+        assert tiny_engine.count_tokens(question, namespace="dora") == tiny_engine.count_tokens(question)
+    with pytest.warns(DeprecationWarning):
+        assert tiny_engine.warm(["Dora's code is 1234."], namespace="dora") == 1
+    with pytest.warns(DeprecationWarning):
+        tiny_engine.score(question, None, "1234", namespace="dora")
+    with pytest.raises(InvalidInputError, match="pass only tenant="):
+        tiny_engine.generate(question, tenant="dora", namespace="dora")
+    with pytest.raises(InvalidInputError), pytest.warns(DeprecationWarning):
+        tiny_engine.generate(question, namespace=" dora")  # checked as the tenant is
 
 
 def test_reply_ids_holding_special_tokens_are_read_as_text(tiny_engine, tokenizer):
@@ -515,7 +534,7 @@ def test_reply_ids_holding_special_tokens_are_read_as_text(tiny_engine, tokenize
         assert tiny_engine.generate(messages, max_new_tokens=1).stats.prompt_tokens == layout.length
 
 
-def test_a_text_one_namespace_tokenised_is_tokenised_again_for_another(tokenizer):
+def test_a_text_one_tenant_tokenised_is_tokenised_again_for_another(tokenizer):
     """The token memo must not make a guessed text faster for a tenant who never sent it."""
     calls = []
 
@@ -557,15 +576,15 @@ def _holds(ids: list[int], part: list[int]) -> bool:
 
 def test_a_reply_sent_back_as_text_is_read_as_the_ids_the_model_wrote(tiny_engine, tokenizer):
     """A framework that keeps only the reply's text (LlamaIndex's memory, a chat store) still
-    reuses all of it: the engine reads its own reply as the ids it generated, in its namespace."""
+    reuses all of it: the engine reads its own reply as the ids it generated, in its tenant."""
     question = [{"role": "user", "content": "Tell me about Lisbon."}]
-    first = tiny_engine.generate(question, max_new_tokens=32, namespace="alice", reuse="prefix")
+    first = tiny_engine.generate(question, max_new_tokens=32, tenant="alice", reuse="prefix")
     retokenised = tokenizer(first.text, add_special_tokens=False)["input_ids"]
     assert retokenised != first.token_ids  # the random model wrote what the tokenizer splits otherwise
     following = [*question, {"role": "assistant", "content": first.text}, {"role": "user", "content": "And?"}]
-    ids = tiny_engine.planner.plan(following, namespace="alice").layout.token_ids.tolist()
+    ids = tiny_engine.planner.plan(following, tenant="alice").layout.token_ids.tolist()
     assert _holds(ids, first.token_ids)
-    second = tiny_engine.generate(following, max_new_tokens=1, namespace="alice", reuse="prefix")
+    second = tiny_engine.generate(following, max_new_tokens=1, tenant="alice", reuse="prefix")
     assert second.stats.reused_tokens >= first.stats.prompt_tokens + len(first.token_ids) - 1
     # another tenant sending the same text gets the tokenizer's ids: nothing of alice's shows
-    assert _holds(tiny_engine.planner.plan(following, namespace="bob").layout.token_ids.tolist(), retokenised)
+    assert _holds(tiny_engine.planner.plan(following, tenant="bob").layout.token_ids.tolist(), retokenised)

@@ -273,19 +273,19 @@ def test_a_memory_said_in_a_turn_takes_its_fragment_from_the_turns_kv(tokenizer,
 
 
 def test_a_memory_the_turn_does_not_hold_or_no_longer_cached_is_encoded(tiny_engine):
-    def base_of_warmed(memory, namespace=None) -> int:
+    def base_of_warmed(memory, tenant=None) -> int:
         tiny_engine.clear_cache(prefixes=False)
-        assert tiny_engine.warm([memory], lead_fragments=False, from_turn=TURN, namespace=namespace) == 1
+        assert tiny_engine.warm([memory], lead_fragments=False, from_turn=TURN, tenant=tenant) == 1
         return next(iter(tiny_engine.runner.fragments.values())).base_position
 
     tiny_engine.clear_cache()
     encoded_at = base_of_warmed(MEMORIES[1])  # another text: encoded after the encode context
     layout = tiny_engine.planner.plan("q", MEMORIES[1:2], reuse="blend").layout
     assert encoded_at == layout.encoded_after(layout.fragments[0]).numel()
-    tiny_engine.generate(TURN, reuse="prefix", max_new_tokens=1, namespace="alice")
+    tiny_engine.generate(TURN, reuse="prefix", max_new_tokens=1, tenant="alice")
     assert base_of_warmed(MEMORIES[1], "alice") == encoded_at
     assert base_of_warmed(MEMORIES[0], "alice") < encoded_at  # the turn said it
-    assert base_of_warmed(MEMORIES[0], "bob") == encoded_at  # never from another namespace's turn
+    assert base_of_warmed(MEMORIES[0], "bob") == encoded_at  # never from another tenant's turn
     tiny_engine.clear_cache(fragments=False)  # the turn is gone from the cache
     assert base_of_warmed(MEMORIES[0], "alice") == encoded_at
 
@@ -314,9 +314,9 @@ def test_a_fragment_warmed_without_a_system_message_is_read_under_another_from_t
     model = tiny_model(TINY_CONFIGS["llama"]())
     with MemoryStore(tmp_path / "s", embedder=embedder) as store:
         records = [store.add(text, tenant="alice") for text in LONG_MEMORIES]
-        KVShiftEngine(model, tokenizer).warm(records, namespace="alice", lead_fragments=False)
+        KVShiftEngine(model, tokenizer).warm(records, tenant="alice", lead_fragments=False)
         later = KVShiftEngine(model, tokenizer)  # another process: nothing but the store holds the fragments
-        stats = later.generate(OTHER_SYSTEM, records, max_new_tokens=1, namespace="alice").stats
+        stats = later.generate(OTHER_SYSTEM, records, max_new_tokens=1, tenant="alice").stats
     assert stats.memory_reuse == ["shifted", "shifted"] and stats.fragments_loaded == 2
     assert stats.encoded_tokens == 0 and partition_holds(stats)
 

@@ -1,4 +1,4 @@
-"""Span markers: parsed strictly, stripped always, never a way into another namespace."""
+"""Span markers: parsed strictly, stripped always, never a way into another tenant."""
 
 from __future__ import annotations
 
@@ -58,7 +58,7 @@ def test_marker_text_is_checked():
 
 
 class _RecordsStore:
-    """What resolve_markers asks of a store: get(id, tenant=...) of the caller's own namespace."""
+    """What resolve_markers asks of a store: get(id, tenant=...) of the caller's own tenant."""
 
     def __init__(self, *records):
         self.records = {(r.id, r.tenant): r for r in records}

@@ -139,7 +139,7 @@ def test_tenant_isolation(make_store):
     assert store.history(a.id, tenant="alice")[-1].version == 1
 
 
-def test_forged_markers_resolve_only_in_the_callers_namespace(make_store):
+def test_forged_markers_resolve_only_for_the_callers_tenant(make_store):
     from kvshift_memory.markers import render_marker, resolve_markers
 
     store = make_store()

@@ -144,7 +144,7 @@ class AgentMemory:
             source=source,
             session_id=self.session_id,
             max_tokens=max_tokens,
-            count_tokens=lambda part: self.engine.count_tokens(part, namespace=self.user_id),
+            count_tokens=lambda part: self.engine.count_tokens(part, tenant=self.user_id),
         )
         for part in parts:  # one at a time: a long document would not fit one prompt
             if self._shifts(part):
@@ -326,7 +326,7 @@ class AgentMemory:
                 recompute_ratio=self.settings.recompute_ratio,
                 max_new_tokens=max_new_tokens,
                 stream=True,
-                namespace=self.user_id,
+                tenant=self.user_id,
                 kv_store=self.store if self.settings.resume and isinstance(self.store, ChunkStore) else None,
             )
         except BaseException:
@@ -458,12 +458,12 @@ class AgentMemory:
         return (
             self.settings.reuse == "auto"
             and bool(engine_settings.auto_shifts)
-            and self.engine.count_tokens(record.text, namespace=self.user_id) >= engine_settings.min_recompute_tokens
+            and self.engine.count_tokens(record.text, tenant=self.user_id) >= engine_settings.min_recompute_tokens
         )
 
     def _warm(self, records: Sequence[Any]) -> None:
         # recalled memories go into user messages, never where a lead fragment is read
-        self.engine.warm(list(records), self._system_messages() or None, lead_fragments=False, namespace=self.user_id)
+        self.engine.warm(list(records), self._system_messages() or None, lead_fragments=False, tenant=self.user_id)
 
     def _visible(self, turns: Sequence[Turn]) -> set[tuple[str, int]]:
         """(id, version) of the memories whose text the window already shows."""
@@ -585,7 +585,7 @@ class AgentMemory:
 
     def _tokens(self, text: str, recalled: Sequence[Any] = ()) -> int:
         def count(piece: str) -> int:
-            return self.engine.count_tokens(piece, namespace=self.user_id)
+            return self.engine.count_tokens(piece, tenant=self.user_id)
 
         return count(text) + sum(count(r.text) + 1 for r in recalled) + (2 + _MESSAGE_OVERHEAD if recalled else 0)
 
@@ -645,7 +645,7 @@ class AgentMemory:
             archived=archived if decision not in ("forget", "forget_ambiguous") else None,
             previous=previous,
         )
-        turn.tokens += self.engine.count_tokens(turn.reply, namespace=self.user_id) + _MESSAGE_OVERHEAD
+        turn.tokens += self.engine.count_tokens(turn.reply, tenant=self.user_id) + _MESSAGE_OVERHEAD
         self._window = plan.kept_turns + [turn]
         self._previous = last_sentence(turn.reply)
         self._persist(lambda theirs: [*theirs, turn])

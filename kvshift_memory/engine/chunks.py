@@ -3,7 +3,7 @@
 After a call, the prompt's and the answer's K/V are cut into chunks of ``chunk_tokens`` tokens
 and written to the caller's store in the background (never on the answer's path): the full ones,
 and the *tail* after the last of them.
-A chunk's key is a hash chain over the model's fingerprint, the namespace (the tenant), the codec
+A chunk's key is a hash chain over the model's fingerprint, the tenant, the codec
 and every token up to the chunk's end: a chunk serves only behind the very same tokens, for the same
 model and tenant. When the in-process prefix cache misses (a new process, another worker), the
 engine reads the longest run of stored chunks the prompt starts with, then the tail stored after
@@ -53,18 +53,19 @@ class _Identity:
     """What every key and header of one store's chunks is bound to."""
 
     fingerprint: str
-    namespace: str
+    tenant: str
     spec: CodecSpec
 
     @property
-    def tenant(self) -> str | None:
-        return self.namespace or None
+    def store_tenant(self) -> str | None:
+        """The tenant as the store names it (``None``: the engine's default tenant ``""``)."""
+        return self.tenant or None
 
 
 def _chain(identity: _Identity, ids: torch.Tensor, chunk_tokens: int, chunks: int) -> list[str]:
     """The chain digest before each of the first ``chunks`` chunks of ``ids``, and after the last one."""
     state = hashlib.blake2b(
-        f"kvshift-chunk/1|{identity.fingerprint}|{identity.namespace}|{identity.spec.label}|{chunk_tokens}".encode(),
+        f"kvshift-chunk/1|{identity.fingerprint}|{identity.tenant}|{identity.spec.label}|{chunk_tokens}".encode(),
         digest_size=16,
     ).digest()
     digests = [state.hex()]
@@ -85,7 +86,7 @@ def _header(identity: _Identity, key: str, exact: bool) -> dict[str, str]:
     return {
         "kind": "chunk",
         "chunk_key": key,
-        "tenant": identity.namespace,
+        "tenant": identity.tenant,
         "model_fingerprint": identity.fingerprint,
         "exact": "1" if exact else "0",
     }
@@ -127,12 +128,12 @@ class StoredChunks:
         self.chunk_tokens = chunk_tokens
         self.costs = costs
         self.writer = ChunkWriter()
-        # per store, the (namespace, key) of full chunks known to be there (weak: a closed store is forgotten)
+        # per store, the (tenant, key) of full chunks known to be there (weak: a closed store is forgotten)
         self._known: weakref.WeakKeyDictionary[Any, set[tuple[str, str]]] = weakref.WeakKeyDictionary()
         self._known_lock = threading.Lock()
 
-    def identity(self, store: ChunkStore, namespace: str) -> _Identity:
-        return _Identity(self.fingerprint, namespace, CodecSpec(store.codec, store.group_size))
+    def identity(self, store: ChunkStore, tenant: str) -> _Identity:
+        return _Identity(self.fingerprint, tenant, CodecSpec(store.codec, store.group_size))
 
     def restore(self, store: ChunkStore, cache: ShiftCache, layout: PromptLayout, start: int, blend: bool) -> Restored:
         """Read the stored chunks that continue slots ``[0, start)`` of ``layout``'s prompt into ``cache``.
@@ -146,7 +147,7 @@ class StoredChunks:
         """
         ids, n, size = layout.token_ids, layout.length, self.chunk_tokens
         chunks = (n - 1) // size  # the full chunks before the last prompt token
-        identity = self.identity(store, layout.namespace)
+        identity = self.identity(store, layout.tenant)
         digests = _chain(identity, ids, size, chunks)
         loaded: list[Fragment] = []
         exact_until, rejected = n, 0
@@ -216,7 +217,7 @@ class StoredChunks:
         key, size = _key(digest, exact, tail), self.chunk_tokens
         started = time.perf_counter()
         try:
-            blob = store.load_chunk(key, tenant=identity.tenant)
+            blob = store.load_chunk(key, tenant=identity.store_tenant)
         except (StoreError, InvalidInputError) as exc:  # an accelerator: without the store, compute
             logger.warning("cannot read a K/V chunk: %s", exc)
             return None, 0
@@ -249,11 +250,11 @@ class StoredChunks:
         if shared == 0:
             return None, 0  # a tail another turn of this conversation wrote: it parted before its first token
         if not tail:
-            self._remember(store, identity.namespace, key)
+            self._remember(store, identity.tenant, key)
         return _prefix(fragment, shared), 0
 
     def save_later(
-        self, store: ChunkStore, namespace: str, cache: ShiftCache, ids: torch.Tensor, filled: int, exact_until: int
+        self, store: ChunkStore, tenant: str, cache: ShiftCache, ids: torch.Tensor, filled: int, exact_until: int
     ) -> None:
         """Queue the K/V of slots ``[0, filled)`` for writing to ``store``: the full chunks not yet
         known to be there, and the tail after them.
@@ -262,7 +263,7 @@ class StoredChunks:
         """
         size = self.chunk_tokens
         chunks = filled // size
-        identity = self.identity(store, namespace)
+        identity = self.identity(store, tenant)
         digests = _chain(identity, ids, size, chunks)
         jobs = []
         for index in range(chunks + 1):
@@ -271,7 +272,7 @@ class StoredChunks:
                 break
             tail, exact = end - index * size < size, end <= exact_until
             key = _key(digests[index] if tail else digests[index + 1], exact, tail)
-            if not tail and self._is_known(store, namespace, key):
+            if not tail and self._is_known(store, tenant, key):
                 continue
             kv = cache.view(index * size, end)
             fragment = Fragment(
@@ -290,23 +291,23 @@ class StoredChunks:
     ) -> None:
         for key, fragment, header, full in jobs:
             try:
-                store.save_chunk(key, encode_fragment(fragment, identity.spec, header), tenant=identity.tenant)
+                store.save_chunk(key, encode_fragment(fragment, identity.spec, header), tenant=identity.store_tenant)
             except StoreError as exc:
                 logger.warning("cannot store a K/V chunk: %s", exc)
                 return
             if full:  # a tail is written again after every turn: what follows it changes
-                self._remember(store, identity.namespace, key)
+                self._remember(store, identity.tenant, key)
 
-    def _is_known(self, store: ChunkStore, namespace: str, key: str) -> bool:
+    def _is_known(self, store: ChunkStore, tenant: str, key: str) -> bool:
         with self._known_lock:
-            return (namespace, key) in self._known.get(store, ())
+            return (tenant, key) in self._known.get(store, ())
 
-    def _remember(self, store: ChunkStore, namespace: str, key: str) -> None:
+    def _remember(self, store: ChunkStore, tenant: str, key: str) -> None:
         with self._known_lock:
             known = self._known.setdefault(store, set())
             if len(known) >= _KNOWN_KEYS:
                 known.clear()
-            known.add((namespace, key))
+            known.add((tenant, key))
 
     def forget_known(self) -> None:
         """Forget which chunks were written (the next calls check the store again)."""

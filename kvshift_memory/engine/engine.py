@@ -19,6 +19,7 @@ import torch
 
 from .. import inputs
 from ..chat_turns import ToolLayout
+from ..deprecation import renamed_keyword
 from ..exceptions import InvalidInputError
 from ..protocols import ChunkStore
 from .decoding import Sampling, generate_steps, score_continuation
@@ -168,6 +169,7 @@ class KVShiftEngine:
         **options: Unpack[GenerateOptions],
     ) -> GenerationStream: ...
 
+    @renamed_keyword("namespace", "tenant")
     def generate(
         self,
         messages: Sequence[dict[str, Any]] | str,
@@ -185,7 +187,7 @@ class KVShiftEngine:
         stream: bool = False,
         fragments_after: str | None = None,
         encode_context: str | None = None,
-        namespace: str | None = None,
+        tenant: str | None = None,
         grammar: Grammar | None = None,
         kv_store: ChunkStore | None = None,
         tools: Sequence[dict[str, Any]] | None = None,
@@ -221,10 +223,11 @@ class KVShiftEngine:
             sample of the user's own earlier conversation: ``docs/how-it-works.md``); with
             ``settings.match_speakers`` its speakers that a memory lacks take that memory's names.
             Give :meth:`warm` the same, or every fragment is encoded again here.
-        :param namespace: whose call this is (the tenant): K/V is reused only from earlier calls of
-            the same namespace, so neither the answer's speed nor ``stats`` tells one tenant what
-            another has sent. Calls without one share the default namespace; a server for several
-            users passes each user's id (:class:`AgentMemory` and the framework adapters do).
+        :param tenant: whose call this is: K/V is reused only from earlier calls of the same
+            tenant, so neither the answer's speed nor ``stats`` tells one tenant what another has
+            sent. Calls without one share the default tenant; a server for several users passes
+            each user's id (:class:`AgentMemory` and the framework adapters pass their
+            ``user_id``). Formerly ``namespace=``, still accepted with a ``DeprecationWarning``.
         :param grammar: what the answer must match (:class:`Grammar`: a JSON schema, a regular
             expression, a Lark grammar); tokens it forbids are never picked, and the answer ends
             where the grammar does. Give ``max_new_tokens`` room to finish: an answer cut by it
@@ -233,13 +236,12 @@ class KVShiftEngine:
             process: on a prefix-cache miss the prompt's stored chunks are read from it
             (``stats.restored_tokens``), and after the answer the prompt's and answer's K/V are
             written to it in the background (:meth:`flush_chunks` waits for that), under
-            ``namespace``. Another process or worker given the same store continues from there.
-        :param tools: OpenAI-format tools (``{"type": "function", "function": {"name",
-            "description", "parameters"}}``) the model may call, written as its
-            :attr:`tool_layout` writes them, with the calls (``tool_calls`` of an assistant
-            message) and results (``"tool"`` messages) in ``messages``. The answer is text: read
-            its calls with ``adapters.parse_tool_calls(text, engine.tool_layout)``, and constrain
-            it with ``adapters.tool_call_grammar(tools, choice, layout=engine.tool_layout)``.
+            ``tenant``. Another process or worker given the same store continues from there.
+        :param tools: OpenAI-format tools (``{"type": "function", "function": {"name", "description",
+            "parameters"}}``) the model may call, written as its :attr:`tool_layout` writes them, with
+            the calls (``tool_calls`` of an assistant message) and results (``"tool"`` messages) in
+            ``messages``. The answer is text: read its calls with ``adapters.parse_tool_calls(text,
+            engine.tool_layout)``; constrain it with ``adapters.tool_call_grammar(tools, choice, layout=...)``.
         :returns: a :class:`GenerationResult` (text, token ids, stats, finish reason).
         :raises InvalidInputError: bad messages, memories or parameters.
         :raises ContextOverflowError: the prompt plus ``max_new_tokens`` exceeds the context window.
@@ -261,7 +263,7 @@ class KVShiftEngine:
             extra_tokens=max_new_tokens,
             fragments_after=fragments_after,
             encode_context=encode_context,
-            namespace=namespace,
+            tenant=tenant,
             tools=tools,
             kv_store=kv_store,
         )
@@ -273,6 +275,7 @@ class KVShiftEngine:
         assert steps.result is not None  # the steps end with the result
         return steps.result
 
+    @renamed_keyword("namespace", "tenant")
     def score(
         self,
         messages: Sequence[dict[str, Any]] | str,
@@ -284,7 +287,7 @@ class KVShiftEngine:
         return_distributions: bool = False,
         fragments_after: str | None = None,
         encode_context: str | None = None,
-        namespace: str | None = None,
+        tenant: str | None = None,
         kv_store: ChunkStore | None = None,
     ) -> ScoreResult:
         """Log-probabilities of ``continuation`` as the start of the assistant's answer.
@@ -297,13 +300,13 @@ class KVShiftEngine:
         :param return_distributions: also return the full log-softmax at each position.
         :param fragments_after: as in :meth:`generate`.
         :param encode_context: as in :meth:`generate`.
-        :param namespace: as in :meth:`generate`.
+        :param tenant: as in :meth:`generate`.
         :param kv_store: as in :meth:`generate`, read only (scoring stores nothing).
         :raises InvalidInputError: bad input, or token ids outside the vocabulary.
         :raises ContextOverflowError: prompt plus continuation exceeds the context window.
         """
         started = time.perf_counter()
-        cont_ids = self.planner.continuation_ids(continuation, namespace, self.runner.vocab_size)
+        cont_ids = self.planner.continuation_ids(continuation, tenant, self.runner.vocab_size)
         plan = self.planner.plan(
             messages,
             memories,
@@ -312,11 +315,12 @@ class KVShiftEngine:
             extra_tokens=len(cont_ids),
             fragments_after=fragments_after,
             encode_context=encode_context,
-            namespace=namespace,
+            tenant=tenant,
             kv_store=kv_store,
         )
         return score_continuation(self.runner, plan, cont_ids, return_distributions, started)
 
+    @renamed_keyword("namespace", "tenant")
     def warm(
         self,
         memories: Sequence[Any],
@@ -325,7 +329,7 @@ class KVShiftEngine:
         fragments_after: str | None = None,
         lead_fragments: bool | None = None,
         encode_context: str | None = None,
-        namespace: str | None = None,
+        tenant: str | None = None,
         from_turn: Sequence[dict[str, Any]] | None = None,
     ) -> int:
         """Encode the memories' fragments now, ahead of any question, and cache the shared prefix.
@@ -343,14 +347,12 @@ class KVShiftEngine:
             block; default: the setting. Pass ``False`` when the memories will only be placed in
             user messages (as the agent and the framework adapters place them), where it is never read.
         :param encode_context: as in :meth:`generate`; pass there the same.
-        :param namespace: as in :meth:`generate`: what is warmed here serves only that namespace.
-        :param from_turn: the messages of a call just made in ``namespace`` (a chat turn): a
-            memory whose text that prompt holds (the user's own message) takes its fragment from
-            the turn's cached K/V, computed in the conversation it was said in, instead of
-            being encoded after the encode context. It skips the encode context's prefill for a
-            namespace that has none cached yet, but the blend then strays further from full
-            recompute (``docs/benchmarks/fidelity.md``), so the agent does not use it. Memories
-            the turn does not hold, and a turn no longer cached, are encoded as without it.
+        :param tenant: as in :meth:`generate`: what is warmed here serves only that tenant.
+        :param from_turn: the messages of a call just made for ``tenant`` (a chat turn): a memory
+            whose text that prompt holds takes its fragment from the turn's cached K/V instead of
+            being encoded after the encode context (no encode-context prefill, but the blend strays
+            further from full recompute: ``docs/benchmarks/fidelity.md``; the agent does not use it).
+            Memories the turn does not hold, or a turn no longer cached, are encoded as without it.
         :returns: how many of the memories had a fragment encoded or cut from the turn (those
             already cached are skipped).
         :raises InvalidInputError: bad messages, memories or turn.
@@ -358,9 +360,7 @@ class KVShiftEngine:
             context window.
         """
         lead = inputs.check_optional_bool(lead_fragments, "lead_fragments")
-        layout, turn = self.planner.warm_layout(
-            memories, messages, fragments_after, encode_context, namespace, from_turn
-        )
+        layout, turn = self.planner.warm_layout(memories, messages, fragments_after, encode_context, tenant, from_turn)
         if layout is None:
             return 0
         return self.runner.warm(layout, self.settings.lead_fragments if lead is None else lead, turn)
@@ -393,7 +393,8 @@ class KVShiftEngine:
         ``"kvshift"``, our own layout as text (``kvshift_memory.chat_turns``)."""
         return self.runner.tokens.tool_layout
 
-    def count_tokens(self, text: str, *, namespace: str | None = None) -> int:
-        """Tokens ``text`` takes as message content (``namespace``: as in :meth:`generate`)."""
+    @renamed_keyword("namespace", "tenant")
+    def count_tokens(self, text: str, *, tenant: str | None = None) -> int:
+        """Tokens ``text`` takes as message content (``tenant``: as in :meth:`generate`)."""
         text = inputs.check_text(text, "text", allow_empty=True)
-        return len(self.runner.tokens.encode(text, namespace=inputs.check_namespace(namespace)))
+        return len(self.runner.tokens.encode(text, tenant=inputs.check_tenant(tenant)))

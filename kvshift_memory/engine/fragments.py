@@ -92,7 +92,7 @@ class FragmentCache:
         costs: CostModel,
     ) -> None:
         self._pool: BytePool[Fragment] = BytePool(capacity_bytes, lambda fragment: fragment.nbytes)
-        # per memory (namespace, encode context, tokens), the pool key of its fragment encoded
+        # per memory (tenant, encode context, tokens), the pool key of its fragment encoded
         # most recently after any conditioning: what a prompt under another system message reads
         self._any_conditioning: OrderedDict[Hashable, Hashable] = OrderedDict()
         self._lock = threading.Lock()
@@ -291,11 +291,11 @@ def _lookups(layout: PromptLayout, lead: bool) -> list[PromptLayout]:
 
 def _memory_key(layout: PromptLayout, span: FragmentSpan) -> Hashable:
     """A memory's fragments whatever they were encoded after: its tenant, encode context and tokens."""
-    return (layout.namespace, span.context, span.token_ids)
+    return (layout.tenant, span.context, span.token_ids)
 
 
 def _pool_key(layout: PromptLayout, span: FragmentSpan, lead: bool) -> Hashable:
-    return (layout.namespace, layout.context_digest(span, lead), digest_ids(span.token_ids))
+    return (layout.tenant, layout.context_digest(span, lead), digest_ids(span.token_ids))
 
 
 def _stored_memo(record: Any, variant: str) -> tuple:

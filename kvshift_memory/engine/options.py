@@ -27,7 +27,7 @@ class GenerateOptions(TypedDict, total=False):
     stop: str | Sequence[str] | None
     fragments_after: str | None
     encode_context: str | None
-    namespace: str | None
+    tenant: str | None
     grammar: Grammar | None
     kv_store: ChunkStore | None
     tools: Sequence[dict[str, Any]] | None

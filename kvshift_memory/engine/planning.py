@@ -98,7 +98,7 @@ class Planner:
         extra_tokens: int = 1,
         fragments_after: str | None = None,
         encode_context: str | None = None,
-        namespace: str | None = None,
+        tenant: str | None = None,
         tools: Sequence[dict[str, Any]] | None = None,
         kv_store: ChunkStore | None = None,
     ) -> PromptPlan:
@@ -115,7 +115,7 @@ class Planner:
             raise InvalidInputError(
                 f"kv_store must be a MemoryStore (load_chunk, save_chunk, codec), not {type(kv_store).__name__}"
             )
-        namespace = inputs.check_namespace(namespace)
+        tenant = inputs.check_tenant(tenant)
         checked = inputs.check_messages(messages)
         bound = inputs.check_tools(tools)
         texts = inputs.check_memories(memories)
@@ -126,7 +126,7 @@ class Planner:
             if "memories" in message:
                 given.extend(message["memories"])
                 message["memories"] = inputs.check_memories(message["memories"])
-        tokens = self._tokens.scoped(namespace)
+        tokens = self._tokens.scoped(tenant)
         layout = build_layout(tokens, checked, texts, settings.system_prompt, settings.memory_header, bound)
         if fragments_after is not None:
             fixed = [{"role": "system", "content": inputs.check_text(fragments_after, "fragments_after")}]
@@ -140,7 +140,7 @@ class Planner:
         records = [None if isinstance(memory, str) else memory for memory in given]
         layout = replace(
             layout,
-            namespace=namespace,
+            tenant=tenant,
             fragments=tuple(
                 replace(s, record=r, context=self._context_ids(tokens, encode_context, s.text))
                 for s, r in zip(layout.fragments, records, strict=True)
@@ -177,14 +177,14 @@ class Planner:
             self._default = self._conditioning_after(self._tokens.scoped(""), [])
         return self._default
 
-    def continuation_ids(self, continuation: Any, namespace: str | None, vocab_size: int) -> list[int]:
+    def continuation_ids(self, continuation: Any, tenant: str | None, vocab_size: int) -> list[int]:
         """A scored continuation's token ids: text tokenised as content, or ids checked against the vocabulary.
 
         :raises InvalidInputError: empty or malformed, or an id outside the vocabulary.
         """
         continuation = inputs.check_continuation(continuation)
         if isinstance(continuation, str):
-            return list(self._tokens.encode(continuation, namespace=inputs.check_namespace(namespace)))
+            return list(self._tokens.encode(continuation, tenant=inputs.check_tenant(tenant)))
         if max(continuation) >= vocab_size:
             raise InvalidInputError(f"continuation holds token id {max(continuation)} >= vocabulary size {vocab_size}")
         return list(continuation)
@@ -195,7 +195,7 @@ class Planner:
         messages: Sequence[dict[str, Any]] | str | None,
         fragments_after: str | None,
         encode_context: str | None,
-        namespace: str | None,
+        tenant: str | None,
         from_turn: Sequence[dict[str, Any]] | None,
     ) -> tuple[PromptLayout | None, torch.Tensor | None]:
         """What ``KVShiftEngine.warm`` encodes: the memories' layout (``None`` when nothing can be
@@ -213,11 +213,11 @@ class Planner:
             recompute_ratio=0.0,
             fragments_after=fragments_after,
             encode_context=encode_context,
-            namespace=namespace,
+            tenant=tenant,
         )
         turn = None
         if from_turn is not None:
-            turn = self.plan(from_turn, reuse="prefix", extra_tokens=0, namespace=namespace).layout.token_ids
+            turn = self.plan(from_turn, reuse="prefix", extra_tokens=0, tenant=tenant).layout.token_ids
         no_room = self.no_room_to_encode(plan.layout)
         if no_room is not None:
             raise ContextOverflowError(no_room)

@@ -1,6 +1,6 @@
-"""The K/V of earlier prompts, kept per namespace for exact prefix reuse (and for cut-out windows).
+"""The K/V of earlier prompts, kept per tenant for exact prefix reuse (and for cut-out windows).
 
-A new prompt starts with the longest cached prompt prefix of its namespace it shares. In
+A new prompt starts with the longest cached prompt prefix of its tenant it shares. In
 ``"blend"`` mode a prompt that is a cached one with a stretch cut out (a working window whose
 oldest turns were evicted) also reuses what follows the cut, RoPE-shifted to its new positions:
 the approximation StreamingLLM makes, with the shared prefix as attention sink.
@@ -32,7 +32,7 @@ Rotate = Callable[[ShiftCache, int, torch.Tensor], None]
 class PrefixEntry:
     """One cached prompt: its ids, K/V views of its slots, and how many of them are exact."""
 
-    namespace: str
+    tenant: str
     token_ids: torch.Tensor
     kv: list[tuple[torch.Tensor, torch.Tensor]]
     exact_length: int
@@ -54,11 +54,11 @@ class PrefixCache:
     def clear(self) -> None:
         self._pool.clear()
 
-    def lookup(self, namespace: str, ids: torch.Tensor) -> tuple[PrefixEntry | None, int]:
-        """The cached prompt of ``namespace`` sharing the longest prefix with ``ids``, and that length."""
+    def lookup(self, tenant: str, ids: torch.Tensor) -> tuple[PrefixEntry | None, int]:
+        """The cached prompt of ``tenant`` sharing the longest prefix with ``ids``, and that length."""
         best, best_len = None, 0
         for entry in self._pool.values():
-            if entry.namespace != namespace:
+            if entry.tenant != tenant:
                 continue
             common = common_prefix(entry.token_ids, ids)
             if common > best_len:
@@ -67,16 +67,16 @@ class PrefixCache:
             self._pool.get(id(best))  # mark as recently used
         return best, best_len
 
-    def remember(self, namespace: str, cache: ShiftCache, ids: torch.Tensor, filled: int, exact_until: int) -> None:
-        """Keep slots ``[0, filled)`` of ``cache`` for ``namespace`` (views, no copy: nothing writes there again)."""
+    def remember(self, tenant: str, cache: ShiftCache, ids: torch.Tensor, filled: int, exact_until: int) -> None:
+        """Keep slots ``[0, filled)`` of ``cache`` for ``tenant`` (views, no copy: nothing writes there again)."""
         if filled == 0 or self._pool.capacity_bytes <= 0:
             return
-        known, common = self.lookup(namespace, ids[:filled])
+        known, common = self.lookup(tenant, ids[:filled])
         if known is not None and common == filled and known.exact_length >= min(exact_until, filled):
             return  # already cached (every fragment encode re-reads the same prefix): keep one copy
         kv = cache.view(0, filled)
         nbytes = sum(k.untyped_storage().nbytes() + v.untyped_storage().nbytes() for k, v in kv)
-        entry = PrefixEntry(namespace, ids[:filled].clone(), kv, min(exact_until, filled), nbytes)
+        entry = PrefixEntry(tenant, ids[:filled].clone(), kv, min(exact_until, filled), nbytes)
         self._pool.put(id(entry), entry)
 
     def reuse(
@@ -89,7 +89,7 @@ class PrefixCache:
         :returns: (tokens reused, exact until, of the reused those shifted from a later position).
         """
         ids, n = layout.token_ids, layout.length
-        entry, common = self.lookup(layout.namespace, ids)
+        entry, common = self.lookup(layout.tenant, ids)
         if entry is None:
             return 0, n, 0
         if mode == "prefix" or entry.exact_length < min(common, layout.anchor_length):
@@ -104,7 +104,7 @@ class PrefixCache:
         exact_until = n if reused <= entry.exact_length else entry.exact_length
         shifted = 0
         if mode == "blend" and shift_cuts:  # from ``reused``, not ``common``: a cut may fall inside a memory's span
-            donor, source, run = self._cut_out_run(layout.namespace, ids, reused)
+            donor, source, run = self._cut_out_run(layout.tenant, ids, reused)
             shifted = whole_spans(layout, reused + min(run, n - 1 - reused)) - reused
             if donor is not None and shifted >= _MIN_SHIFTED_RUN:
                 with torch.inference_mode():
@@ -118,8 +118,8 @@ class PrefixCache:
                 shifted = 0
         return reused, exact_until, shifted
 
-    def _cut_out_run(self, namespace: str, ids: torch.Tensor, start: int) -> tuple[PrefixEntry | None, int, int]:
-        """Where ``ids[start:]`` continues in a cached prompt of ``namespace`` that shares ``ids[:start]`` after a cut.
+    def _cut_out_run(self, tenant: str, ids: torch.Tensor, start: int) -> tuple[PrefixEntry | None, int, int]:
+        """Where ``ids[start:]`` continues in a cached prompt of ``tenant`` that shares ``ids[:start]`` after a cut.
 
         :returns: (cached prompt, its slot where the run starts, run length); length 0 when none.
         """
@@ -130,7 +130,7 @@ class PrefixCache:
         for entry in self._pool.values():
             cached = entry.token_ids
             if (
-                entry.namespace != namespace
+                entry.tenant != tenant
                 or cached.numel() < start + 1 + _MATCH_PROBE
                 or common_prefix(cached, ids) < start
             ):

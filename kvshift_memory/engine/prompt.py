@@ -93,8 +93,8 @@ class PromptLayout:
         memories start); a prompt begins with ``anchor_length`` of them. Between the two each span
         has its own encode context (``FragmentSpan.context``, never in the prompt itself); a lead
         fragment is encoded after the conditioning alone.
-    :param namespace: whose prompt this is (the tenant): the engine reuses K/V only from prompts
-        and fragments of the same namespace.
+    :param tenant: whose prompt this is: the engine reuses K/V only from prompts
+        and fragments of the same tenant.
     :param default_conditioning: the conditioning of the engine's own system message, which
         fragments warmed with no system message known are encoded after: a fragment not cached
         after this prompt's conditioning is looked up after it (:meth:`under_default`), and
@@ -104,7 +104,7 @@ class PromptLayout:
     token_ids: torch.Tensor
     fragments: tuple[FragmentSpan, ...]
     conditioning: torch.Tensor
-    namespace: str = ""
+    tenant: str = ""
     default_conditioning: torch.Tensor | None = None
     _digests: dict[tuple[int, ...], str] = field(default_factory=dict, init=False, compare=False, repr=False)
 
@@ -158,7 +158,7 @@ class TokenMemo:
     The same memories, system prompt and window turns come back in every prompt of a session;
     tokenising a 2k-token memory set again costs milliseconds of the user's wait for the first token.
 
-    Texts are kept per namespace (the tenant): a text one tenant sent never makes another
+    Texts are kept per tenant: a text one tenant sent never makes another
     tenant's call faster, so timing cannot tell one what another typed.
 
     It also keeps the ids of the replies the engine generated (:meth:`remember_reply`): a reply
@@ -184,14 +184,14 @@ class TokenMemo:
         self._replies_held = 0
         self._lock = threading.Lock()
 
-    def scoped(self, namespace: str) -> ScopedTokens:
-        """This memo as one namespace sees it (what :func:`build_layout` is given)."""
-        return ScopedTokens(self, namespace)
+    def scoped(self, tenant: str) -> ScopedTokens:
+        """This memo as one tenant sees it (what :func:`build_layout` is given)."""
+        return ScopedTokens(self, tenant)
 
-    def encode(self, text: str, *, split_special: bool = True, namespace: str = "") -> tuple[int, ...]:
+    def encode(self, text: str, *, split_special: bool = True, tenant: str = "") -> tuple[int, ...]:
         """The ids of ``text`` without added special tokens; with ``split_special``, a special
         token's text inside it (``<|im_start|>``) is split into ordinary tokens."""
-        key = (namespace, text, split_special)
+        key = (tenant, text, split_special)
         with self._lock:
             ids = self._ids.get(key)
             if ids is not None:
@@ -207,11 +207,11 @@ class TokenMemo:
                     self._held -= len(dropped)
         return ids
 
-    def remember_reply(self, text: str, ids: Sequence[int], *, namespace: str = "") -> None:
-        """Keep the ids the model generated for the reply ``text`` (in ``namespace`` only)."""
+    def remember_reply(self, text: str, ids: Sequence[int], *, tenant: str = "") -> None:
+        """Keep the ids the model generated for the reply ``text`` (in ``tenant`` only)."""
         if not text or not ids or len(ids) > self.capacity_ids:
             return
-        key = (namespace, text)
+        key = (tenant, text)
         with self._lock:
             dropped = self._replies.pop(key, ())
             self._replies[key] = tuple(ids)
@@ -220,21 +220,21 @@ class TokenMemo:
                 _, dropped = self._replies.popitem(last=False)
                 self._replies_held -= len(dropped)
 
-    def reply_ids(self, text: str, *, namespace: str = "") -> tuple[int, ...] | None:
-        """The ids the model generated for the reply ``text`` in ``namespace``, if kept."""
+    def reply_ids(self, text: str, *, tenant: str = "") -> tuple[int, ...] | None:
+        """The ids the model generated for the reply ``text`` in ``tenant``, if kept."""
         with self._lock:
-            ids = self._replies.get((namespace, text))
+            ids = self._replies.get((tenant, text))
             if ids is not None:
-                self._replies.move_to_end((namespace, text))
+                self._replies.move_to_end((tenant, text))
             return ids
 
 
 @dataclass(frozen=True)
 class ScopedTokens:
-    """A :class:`TokenMemo` seen from one namespace: its texts are remembered for that namespace only."""
+    """A :class:`TokenMemo` seen from one tenant: its texts are remembered for that tenant only."""
 
     memo: TokenMemo
-    namespace: str
+    tenant: str
 
     @property
     def tokenizer(self) -> Any:
@@ -249,10 +249,10 @@ class ScopedTokens:
         return self.memo.tool_layout
 
     def encode(self, text: str, *, split_special: bool = True) -> tuple[int, ...]:
-        return self.memo.encode(text, split_special=split_special, namespace=self.namespace)
+        return self.memo.encode(text, split_special=split_special, tenant=self.tenant)
 
     def reply_ids(self, text: str) -> tuple[int, ...] | None:
-        return self.memo.reply_ids(text, namespace=self.namespace)
+        return self.memo.reply_ids(text, tenant=self.tenant)
 
 
 def template_style(tokenizer: Any) -> TemplateStyle:

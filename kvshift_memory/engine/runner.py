@@ -58,7 +58,7 @@ class ModelRunner:
         assert isinstance(embeddings.weight, torch.Tensor)
         self.device: torch.device = embeddings.weight.device
         self.tokenizer = tokenizer
-        #: the tokenisation memo (per namespace), which also reads this engine's replies back as their ids
+        #: the tokenisation memo (per tenant), which also reads this engine's replies back as their ids
         self.tokens = TokenMemo(tokenizer)
         #: how many linear layers were packed for oneDNN (0: left as loaded)
         self.packed_layers = pack_linear_layers(self.model) if settings.pack_weights else 0
@@ -72,7 +72,7 @@ class ModelRunner:
         self.head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
         self.eos_token_ids = eos_ids(model, tokenizer)
         self.costs = CostModel()
-        #: the K/V of earlier prompts, per namespace
+        #: the K/V of earlier prompts, per tenant
         self.prefix_cache = PrefixCache(settings.prefix_cache_bytes)
         shape = (self.num_layers, self.kv_heads, self.head_dim)
         self.fragments = FragmentCache(settings.fragment_cache_bytes, fingerprint, shape, model.dtype, self.costs)
@@ -194,16 +194,16 @@ class ModelRunner:
         return out.logits[0].float()
 
     @torch.inference_mode()
-    def prefilled(self, namespace: str, ids: torch.Tensor, room: int) -> ShiftCache:
+    def prefilled(self, tenant: str, ids: torch.Tensor, room: int) -> ShiftCache:
         """A cache holding the exact K/V of ``ids``, with ``room`` slots after.
 
-        ``namespace``'s cached prefixes are reused, and ``ids`` is remembered as one.
+        ``tenant``'s cached prefixes are reused, and ``ids`` is remembered as one.
         """
         n = ids.numel()
         cache = ShiftCache(self.num_layers, n + room, self.device)
-        reused, _, _ = self.prefix_cache.reuse(cache, PromptLayout(ids, (), ids, namespace), "prefix", self.rotate)
+        reused, _, _ = self.prefix_cache.reuse(cache, PromptLayout(ids, (), ids, tenant), "prefix", self.rotate)
         self.prefill_exact(cache, ids, reused, n, logits="none")
-        self.prefix_cache.remember(namespace, cache, ids, n, n)
+        self.prefix_cache.remember(tenant, cache, ids, n, n)
         return cache
 
     @torch.inference_mode()
@@ -216,7 +216,7 @@ class ModelRunner:
         for context_digest, indices in by_context.items():
             conditioning = layout.encoded_after(spans[indices[0]], lead)
             start = conditioning.numel()
-            scratch = self.prefilled(layout.namespace, conditioning, max(len(spans[i].token_ids) for i in indices))
+            scratch = self.prefilled(layout.tenant, conditioning, max(len(spans[i].token_ids) for i in indices))
             for index in indices:
                 span = spans[index]
                 end = start + len(span.token_ids)
@@ -251,9 +251,9 @@ class ModelRunner:
         context. The keys stay rotated at the positions they had in the turn (``base_position``):
         placing the fragment rotates them once, to where it lands.
         """
-        entry, cached = self.prefix_cache.lookup(layout.namespace, turn)
+        entry, cached = self.prefix_cache.lookup(layout.tenant, turn)
         said = common_prefix(
-            torch.tensor(span.token_ids), torch.tensor(self.tokens.encode(span.text, namespace=layout.namespace))
+            torch.tensor(span.token_ids), torch.tensor(self.tokens.encode(span.text, tenant=layout.tenant))
         )
         if entry is None or said == 0 or cached < said:
             return None
@@ -342,7 +342,7 @@ class ModelRunner:
             for index, origin in zip(leading, lead_origins, strict=True):
                 encoded[index] = encoded[index] or origin not in ("pool", "store")
         if not any(encoded):  # nothing was encoded, so the shared prefix may not be cached yet
-            self.prefilled(layout.namespace, layout.conditioning, 0)
+            self.prefilled(layout.tenant, layout.conditioning, 0)
         return sum(encoded)
 
     def decode_text(self, token_ids: list[int]) -> str:
@@ -355,16 +355,16 @@ class ModelRunner:
         :returns: the fragment tokens encoded.
         """
         # kept even when a stop string cut the text: ids that do not read back as it are never used
-        self.tokens.remember_reply(text, token_ids, namespace=layout.namespace)
+        self.tokens.remember_reply(text, token_ids, tenant=layout.tenant)
         # the answer is out: the memories that missed get their fragments for the next call
         return self.encode_missed(layout, unencoded)
 
     def keep(self, plan: PromptPlan, cache: ShiftCache, token_ids: torch.Tensor, filled: int, exact_until: int) -> None:
         """Remember a finished call's K/V for prefix reuse (and its store's chunks, when it has one)."""
-        namespace = plan.layout.namespace
-        self.prefix_cache.remember(namespace, cache, token_ids, filled, exact_until)
+        tenant = plan.layout.tenant
+        self.prefix_cache.remember(tenant, cache, token_ids, filled, exact_until)
         if plan.kv_store is not None:
-            self.chunks.save_later(plan.kv_store, namespace, cache, token_ids, filled, exact_until)
+            self.chunks.save_later(plan.kv_store, tenant, cache, token_ids, filled, exact_until)
 
     def clear(self, *, prefixes: bool, fragments: bool) -> None:
         """Forget cached prompt prefixes (and which chunks were written) and/or fragments."""

@@ -664,7 +664,7 @@ class MemoryStore:
     # ---------------------------------------------------------------- chunks (used by the engine)
 
     def load_chunk(self, key: str, *, tenant: str | None) -> bytes | None:
-        """The chunk stored under ``key`` for ``tenant`` (``None``: an engine's default namespace), or
+        """The chunk stored under ``key`` for ``tenant`` (``None``: an engine's default tenant), or
         ``None``. What comes back is untrusted: the engine checks it before use.
 
         :raises InvalidInputError: a malformed key or tenant.

@@ -185,7 +185,7 @@ class ChatKVShift(BaseChatModel):
         a store every marker is plain text. Markers are never shown to the model.
     :param user_id: the tenant, also without a store: the engine reuses K/V only from this user's
         earlier calls, and ``cache_read`` counts only those, so one user can never learn from
-        speed or usage what another typed. Models without one share the default namespace.
+        speed or usage what another typed. Models without one share the default tenant.
     """
 
     model_config = ConfigDict(arbitrary_types_allowed=True, populate_by_name=True)
@@ -279,9 +279,7 @@ class ChatKVShift(BaseChatModel):
         """The tokens of the whole prompt these messages make: chat template, tool descriptions and all."""
         bound = [convert_to_openai_tool(tool) for tool in tools or ()]
         prompt = self._engine_messages(messages)
-        return (
-            self.loaded_engine().planner.plan(prompt, reuse="none", namespace=self.user_id, tools=bound).layout.length
-        )
+        return self.loaded_engine().planner.plan(prompt, reuse="none", tenant=self.user_id, tools=bound).layout.length
 
     def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> LangSmithParams:
         return LangSmithParams(
@@ -320,7 +318,7 @@ class ChatKVShift(BaseChatModel):
         options = {engine_name: getattr(self, name) for name, engine_name in _CALL_OPTIONS.items()}
         options.update({_CALL_OPTIONS[name]: value for name, value in kwargs.items() if name in _CALL_OPTIONS})
         options["stop"] = list(self.stop or []) + list(stop or [])
-        options["namespace"] = kwargs.get("user_id", self.user_id)
+        options["tenant"] = kwargs.get("user_id", self.user_id)
         options["kv_store"] = self.store  # the thread's K/V kept there: another worker or process continues from it
         if options["repetition_penalty"] is None:
             options["repetition_penalty"] = CONSTRAINED_REPETITION_PENALTY if constrained else 1.0

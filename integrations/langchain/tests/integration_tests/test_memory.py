@@ -79,7 +79,7 @@ def test_a_conversation_chain_reads_most_of_each_prompt_from_the_cache(store, mo
     # the facts' fragments encoded when they were stored, as an application would: a memory with
     # no fragment is computed with the question, which this share would count as computed
     facts = [hit for fact in FACTS for hit in store.search(fact, tenant="alice", k=1)]
-    llm.loaded_engine().warm(facts, namespace="alice")
+    llm.loaded_engine().warm(facts, tenant="alice")
     prompts = _spy_prompts(monkeypatch, llm)
     for question in QUESTIONS:
         chain.invoke({"input": question})

@@ -53,7 +53,7 @@ def test_a_rag_chain_shifts_the_retrieved_parts_k_v_into_the_prompt(store):
         BRIEF, tenant="alice", source="brief.md", max_tokens=150, count_tokens=engine.count_tokens
     )
     for part in parts:  # encoded once, at ingestion, as an application would
-        engine.warm([part], namespace="alice", lead_fragments=False)
+        engine.warm([part], tenant="alice", lead_fragments=False)
     retriever = KVShiftRetriever(store=store, user_id="alice", k=2)
     prompt = ChatPromptTemplate.from_messages(
         [("system", "Answer from the context."), ("human", "Context:\n{context}\n\nQuestion: {question}")]

@@ -50,7 +50,7 @@ def test_a_query_engine_shifts_the_retrieved_parts_k_v_into_the_prompt(store):
         BRIEF, tenant="alice", source="brief.md", max_tokens=150, count_tokens=engine.count_tokens
     )
     for part in parts:  # encoded once, at ingestion, as an application would
-        engine.warm([part], namespace="alice", lead_fragments=False)
+        engine.warm([part], tenant="alice", lead_fragments=False)
     llm = KVShiftLLM(store=store, user_id="alice", max_tokens=16)
     seen = []
     original = engine.generate

@@ -160,7 +160,7 @@ class KVShiftLLM(FunctionCallingLLM):
         this user's memories resolve to them and bring their stored K/V; without a store every
         marker is plain text. Markers are never shown to the model.
     :param user_id: the tenant, also without a store: the engine reuses K/V only from this user's
-        earlier calls (and reports only that reuse). Models without one share the default namespace.
+        earlier calls (and reports only that reuse). Models without one share the default tenant.
     :param fragments_after: the system message memories' fragments are encoded after; default the
         engine's system prompt, which is also what ``KVShiftMemory`` encodes archived memories
         after. Fixed rather than each prompt's own, because a chat engine may rewrite its system
@@ -241,7 +241,7 @@ class KVShiftLLM(FunctionCallingLLM):
             "stop": kwargs.get("stop"),
             "grammar": grammar,
             "repetition_penalty": CONSTRAINED_REPETITION_PENALTY if grammar is not None else 1.0,
-            "namespace": self.user_id,
+            "tenant": self.user_id,
             "kv_store": self.store,  # the conversation's K/V kept there: another process continues from it
         }
 

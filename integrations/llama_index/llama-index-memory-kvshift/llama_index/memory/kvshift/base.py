@@ -282,7 +282,7 @@ class KVShiftMemory(BaseMemory):
     def _count(self, text: str) -> int:
         """Tokens the model reads for a message of ``text`` (a marker is not read: its memory is)."""
         text = strip_markers(text)
-        return self.engine.count_tokens(text, namespace=self.user_id) + _MESSAGE_OVERHEAD if text else 0
+        return self.engine.count_tokens(text, tenant=self.user_id) + _MESSAGE_OVERHEAD if text else 0
 
     def _unrecalled_query(self) -> str:
         last = self._entries[-1] if len(self._entries) > self._start else None
@@ -371,7 +371,7 @@ class KVShiftMemory(BaseMemory):
             [record],
             fragments_after=self.fragments_after or self.engine.settings.system_prompt,
             lead_fragments=False,
-            namespace=self.user_id,
+            tenant=self.user_id,
         )
         return record
 
