@@ -43,7 +43,7 @@ def live_memories(store: MemoryStore, tenant: str) -> list[str]:
     ids = []
     for key in store.tier.scan(f"h/{tenant}/"):
         head = parse_head(store.tier.get(key))
-        if head is not None and not head["deleted"]:
+        if head is not None and not head.deleted:
             ids.append(split_key(key)[2])
     return ids
 

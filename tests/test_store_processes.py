@@ -248,7 +248,7 @@ def test_kills_during_item_puts_and_deletes_leave_no_orphan_and_nothing_half_vis
     live = {
         split_key(key)[2]
         for key in store.tier.scan("h/alice/")
-        if (head := parse_head(store.tier.get(key))) is not None and not head["deleted"]
+        if (head := parse_head(store.tier.get(key))) is not None and not head.deleted
     }
     assert live == {item.memory.id for item in list_items(store, "alice")}
     store.close()

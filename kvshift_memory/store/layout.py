@@ -29,6 +29,7 @@ import re
 import struct
 import uuid
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 from urllib.parse import quote, unquote
 
@@ -36,6 +37,7 @@ from ..blobs import read_header
 from ..exceptions import CorruptFragmentError
 
 __all__ = [
+    "Head",
     "LOG_KEY",
     "ORPHAN_GRACE_S",
     "STORE_ID_KEY",
@@ -83,7 +85,23 @@ def head_bytes(
     return json.dumps(data, sort_keys=True).encode()
 
 
-def parse_head(raw: bytes | None) -> dict | None:
+@dataclass(frozen=True)
+class Head:
+    """A memory's head row, parsed: its live version, the writer that published it, and whether
+    the memory is deleted (and, after gc, erased)."""
+
+    version: int
+    writer: str
+    deleted: bool = False
+    erased: bool = False
+
+    def to_bytes(self, fence: str | None = None) -> bytes:
+        """These fields as :func:`head_bytes` writes them."""
+        return head_bytes(self.version, self.writer, self.deleted, self.erased, fence)
+
+
+def parse_head(raw: bytes | None) -> Head | None:
+    """The head ``raw`` holds, or ``None``: absent, or not a head this build wrote (malformed)."""
     if raw is None:
         return None
     try:
@@ -94,8 +112,7 @@ def parse_head(raw: bytes | None) -> dict | None:
         return None
     if not isinstance(head.get("w"), str) or not WRITER.fullmatch(head["w"]):
         return None
-    head["deleted"] = bool(head.get("deleted"))
-    return head
+    return Head(head["v"], head["w"], bool(head.get("deleted")), bool(head.get("erased")))
 
 
 def is_earlier_head(raw: bytes | None) -> bool:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from ..blobs import codec_label, read_header, verify_blob
@@ -18,6 +18,7 @@ from .keywords import memory_keywords
 from .layout import (
     LOG_KEY,
     ORPHAN_GRACE_S,
+    Head,
     blob_fingerprint,
     head_bytes,
     is_earlier_head,
@@ -84,21 +85,21 @@ def collect_garbage(store: StoreParts, *, keep_model_fingerprint: str | None = N
     """
     report = GCReport(expired_items=sweep_items(store))
     now = store.tier.now()
-    heads: dict[tuple[str, str], dict | None] = {}
+    heads: dict[tuple[str, str], Head | None] = {}
     for key in list(store.tier.scan("h/")):
         parts = split_key(key)
         if len(parts) == 3:
             heads[(parts[1], parts[2])] = parse_head(store.versions.get_row(key))
     for (tenant, memory_id), head in heads.items():
-        if head is None or head.get("erased"):
+        if head is None or head.erased:
             continue
-        live = None if head["deleted"] else store.versions.read_record(tenant, memory_id, head["v"], head["w"])
-        if live is not None and not head["deleted"] and _unowned_item(store, live, now, report):
+        live = None if head.deleted else store.versions.read_record(tenant, memory_id, head.version, head.writer)
+        if live is not None and not head.deleted and _unowned_item(store, live, now, report):
             heads[(tenant, memory_id)] = parse_head(store.versions.get_row(tier_key("h", tenant, memory_id)))
             head = heads[(tenant, memory_id)]
-            if head is None or head.get("erased"):
+            if head is None or head.erased:
                 continue
-        if head["deleted"] or (live is not None and live.is_expired(now)):
+        if head.deleted or (live is not None and live.is_expired(now)):
             heads[(tenant, memory_id)] = _erase(store, tenant, memory_id, head, report)
     for prefix in ("r/", "e/", "p/", BLOB_PREFIX):
         for key in list(store.tier.scan(prefix)):
@@ -164,19 +165,19 @@ def check_store(store: StoreParts) -> CheckReport:
             report.ok = False
             continue
         tenant, memory_id = parts[1], parts[2]
-        states[(tenant, memory_id)] = IndexedState(head["v"], None, None)
-        if head["deleted"]:
+        states[(tenant, memory_id)] = IndexedState(head.version, None, None)
+        if head.deleted:
             continue
         report.memories += 1
         try:
             record = MemoryRecord.from_json(
-                store.tier.get(tier_key("r", tenant, memory_id, head["v"], head["w"])) or b""
+                store.tier.get(tier_key("r", tenant, memory_id, head.version, head.writer)) or b""
             )
         except StoreError as exc:
             report.problems.append(f"memory {memory_id} of {tenant!r}: {exc}")
             report.ok = False
             continue
-        if record.id != memory_id or record.tenant != tenant or record.version != head["v"]:
+        if record.id != memory_id or record.tenant != tenant or record.version != head.version:
             report.problems.append(f"memory {memory_id} of {tenant!r}: record names {record.tenant}/{record.id}")
             report.ok = False
             continue
@@ -185,7 +186,7 @@ def check_store(store: StoreParts) -> CheckReport:
             continue
         if not record.indexed:
             continue  # never embedded: it has no point
-        embedding_key = tier_key("e", tenant, memory_id, head["v"], head["w"])
+        embedding_key = tier_key("e", tenant, memory_id, head.version, head.writer)
         embedding = unpack_embedding(_get_or_report(store, embedding_key, report), store.index.dimension)
         if embedding is None or embedding[0] != record.source_text_hash:
             state = "missing or damaged" if embedding is None else "computed from another text"
@@ -194,7 +195,9 @@ def check_store(store: StoreParts) -> CheckReport:
             embedding = (record.source_text_hash, store.embedder.embed([record.text])[0])
             store.tier.set(embedding_key, pack_embedding(*embedding))
             report.repaired.append(f"{problem} (embedded again)")
-        states[(tenant, memory_id)] = IndexedState(head["v"], record.session_id, embedding[1], memory_keywords(record))
+        states[(tenant, memory_id)] = IndexedState(
+            head.version, record.session_id, embedding[1], memory_keywords(record)
+        )
     for key in list(store.tier.scan(BLOB_PREFIX)):
         parts = split_key(key)
         report.fragments += 1
@@ -248,8 +251,8 @@ def store_stats(store: StoreParts, *, model_fingerprint: str | None = None) -> d
         head = parse_head(store.versions.get_row(key))
         if head is None:
             continue
-        out["deleted" if head["deleted"] else "memories"] += 1
-        out["versions"] += head["v"]
+        out["deleted" if head.deleted else "memories"] += 1
+        out["versions"] += head.version
     if model_fingerprint is not None:
         out["stale_fragments"] = 0
     for key in store.tier.scan(BLOB_PREFIX):
@@ -269,31 +272,33 @@ def store_stats(store: StoreParts, *, model_fingerprint: str | None = None) -> d
     return out
 
 
-def _verdict(store: StoreParts, prefix: str, parts: list[str], head: dict | None, now: float) -> str:
+def _verdict(store: StoreParts, prefix: str, parts: list[str], head: Head | None, now: float) -> str:
     """What gc does with the data under a key (split into ``parts``) of a memory whose head is
     ``head``: ``"keep"`` it, ``"free"`` it (no writer can ever publish it), or ``"fence"`` the
     head and then free it (an abandoned write that a stalled writer could still publish)."""
     tenant, memory_id, version = parts[1], parts[2], int(parts[3])
-    if head is not None and head["deleted"]:
+    if head is not None and head.deleted:
         return "free"
     if prefix == "p/":
         # a publication pointer is never wrong (a version has one writer), and the head read at
         # the start of gc may already be behind one a supersede just wrote: keep while the memory lives
         return "keep" if head is not None else "free"
     if prefix == BLOB_PREFIX:
-        return "keep" if head is not None and version == head["v"] else "free"
+        return "keep" if head is not None and version == head.version else "free"
     writer = parts[4]
-    if head is not None and version <= head["v"]:
-        published = head["w"] if version == head["v"] else store.versions.published_writer(tenant, memory_id, version)
+    if head is not None and version <= head.version:
+        published = (
+            head.writer if version == head.version else store.versions.published_writer(tenant, memory_id, version)
+        )
         # superseded versions keep their text (history), not their embedding
-        return "keep" if writer == published and (prefix == "r/" or version == head["v"]) else "free"
+        return "keep" if writer == published and (prefix == "r/" or version == head.version) else "free"
     # no head names it yet: a write in flight (the first version, or the next one), or abandoned
-    if version != (head["v"] + 1 if head is not None else 1):
+    if version != (head.version + 1 if head is not None else 1):
         return "free"
     return "fence" if _abandoned(store, tenant, memory_id, version, writer, now) else "keep"
 
 
-def _fence(store: StoreParts, parts: list[str], raw_head: bytes | None, head: dict | None) -> bool:
+def _fence(store: StoreParts, parts: list[str], raw_head: bytes | None, head: Head | None) -> bool:
     """Change the head an abandoned write would be published on, if it is still ``raw_head``, so
     its writer's compare-and-set (against the head it read before writing) can never succeed.
     A first version gets a tombstone (its id is then never used: the writer adds under a new one).
@@ -306,13 +311,13 @@ def _fence(store: StoreParts, parts: list[str], raw_head: bytes | None, head: di
     if head is None:
         fenced = head_bytes(1, writer, deleted=True, erased=True)
     else:
-        fenced = head_bytes(head["v"], head["w"], head["deleted"], bool(head.get("erased")), fence=uuid.uuid4().hex)
+        fenced = head.to_bytes(fence=uuid.uuid4().hex)
     return store.tier.compare_and_set(tier_key("h", tenant, memory_id), raw_head, fenced)
 
 
 def _move_to_writer_keys(
     store: StoreParts, tenant: str, memory_id: str, raw_head: bytes, report: CheckReport
-) -> dict | None:
+) -> Head | None:
     """A memory an earlier build wrote (versions under ``r/t/m/v``, no writer in its head),
     copied to this layout and published by compare-and-set; the old keys are then removed.
 
@@ -355,16 +360,16 @@ def _get_or_report(store: StoreParts, key: str, report: CheckReport) -> bytes | 
         return None
 
 
-def _erase(store: StoreParts, tenant: str, memory_id: str, head: dict, report: GCReport) -> dict:
+def _erase(store: StoreParts, tenant: str, memory_id: str, head: Head, report: GCReport) -> Head:
     """Tombstone a memory and return its new head; gc's one scan of records, vectors and blobs
     then frees the rest of its data (and frees it on the next gc, if this one is interrupted)."""
     for key in (tier_key("ac", tenant, memory_id), tier_key("al", tenant, memory_id)):
         _free(store, key, report)
     store.tier.append(LOG_KEY, log_entry(tenant, memory_id))
     # the tombstone stays: it tells every index to drop the point, and ids are never reused
-    store.tier.set(tier_key("h", tenant, memory_id), head_bytes(head["v"], head["w"], deleted=True, erased=True))
+    store.tier.set(tier_key("h", tenant, memory_id), head_bytes(head.version, head.writer, deleted=True, erased=True))
     report.erased_memories += 1
-    return {**head, "deleted": True, "erased": True}
+    return replace(head, deleted=True, erased=True)
 
 
 def _free(store: StoreParts, key: str, report: GCReport) -> None:

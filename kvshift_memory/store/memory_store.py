@@ -46,6 +46,7 @@ from .layout import (
     LOG_KEY,
     STORE_ID_KEY,
     VARIANT,
+    Head,
     float_or_none,
     head_bytes,
     log_entry,
@@ -464,11 +465,11 @@ class MemoryStore:
         tenant, _ = self._ids(tenant, None)
         memory_id = inputs.check_identifier(memory_id, "memory_id")
         raw, head = self.versions.read_head(tenant, memory_id)
-        if head is None or head["deleted"]:
+        if head is None or head.deleted:
             return False
         self.tier.append(LOG_KEY, log_entry(tenant, memory_id))
         if not self.tier.compare_and_set(
-            tier_key("h", tenant, memory_id), raw, head_bytes(head["v"], head["w"], deleted=True)
+            tier_key("h", tenant, memory_id), raw, head_bytes(head.version, head.writer, deleted=True)
         ):
             raise VersionConflictError(f"memory {memory_id!r} changed while being deleted; try again")
         return True
@@ -483,8 +484,8 @@ class MemoryStore:
         memory_id = inputs.check_identifier(memory_id, "memory_id")
         _, head = self.versions.read_head(tenant, memory_id)
         last = self._live_at(tenant, memory_id, head)
-        if last is None and head is not None and head["deleted"] and not head.get("erased"):
-            deleted = self.versions.read_record(tenant, memory_id, head["v"], head["w"])
+        if last is None and head is not None and head.deleted and not head.erased:
+            deleted = self.versions.read_record(tenant, memory_id, head.version, head.writer)
             last = None if deleted is None else replace(deleted, status="deleted", fragment_source=self)
         if last is None or head is None:
             raise MemoryNotFoundError(f"no memory {memory_id!r} for tenant {tenant!r}")
@@ -709,7 +710,7 @@ class MemoryStore:
             session_id = inputs.check_identifier(session_id, "session_id")
         return tenant, session_id
 
-    def _write_version(self, record: MemoryRecord, expected_raw: bytes | None, previous: dict | None) -> None:
+    def _write_version(self, record: MemoryRecord, expected_raw: bytes | None, previous: Head | None) -> None:
         """Data under this writer's own keys first, head last by compare-and-set; a refused
         writer removes its data again, so no version ever holds a text whose writer was refused.
 
@@ -732,7 +733,7 @@ class MemoryStore:
             self.tier.set(data_keys[1], pack_embedding(record.source_text_hash, vector))
         if previous is not None:
             # every writer past ``previous`` writes the same value: idempotent, and set before the head moves
-            self.tier.set(tier_key("p", tenant, memory_id, previous["v"]), previous["w"].encode())
+            self.tier.set(tier_key("p", tenant, memory_id, previous.version), previous.writer.encode())
         self.tier.append(LOG_KEY, log_entry(tenant, memory_id))
         if not self.tier.compare_and_set(tier_key("h", tenant, memory_id), expected_raw, head_bytes(version, writer)):
             for key in data_keys:
@@ -744,10 +745,10 @@ class MemoryStore:
     def _live(self, tenant: str, memory_id: str) -> MemoryRecord | None:
         return self._live_at(tenant, memory_id, self.versions.read_head(tenant, memory_id)[1])
 
-    def _live_at(self, tenant: str, memory_id: str, head: dict | None) -> MemoryRecord | None:
-        if head is None or head["deleted"]:
+    def _live_at(self, tenant: str, memory_id: str, head: Head | None) -> MemoryRecord | None:
+        if head is None or head.deleted:
             return None
-        record = self.versions.read_record(tenant, memory_id, head["v"], head["w"])
+        record = self.versions.read_record(tenant, memory_id, head.version, head.writer)
         if record is None or record.is_expired(self.now()):
             return None
         if record.item is not None and not owns(self.tier, record, self.now()):
@@ -789,18 +790,18 @@ class MemoryStore:
         head = self.versions.read_head(tenant, memory_id)[1]
         if head is None:
             return None
-        if head["deleted"]:
-            return IndexedState(head["v"], None, None)
-        record = self.versions.read_record(tenant, memory_id, head["v"], head["w"])
+        if head.deleted:
+            return IndexedState(head.version, None, None)
+        record = self.versions.read_record(tenant, memory_id, head.version, head.writer)
         if record is not None and not record.indexed:
-            return IndexedState(head["v"], None, None)
+            return IndexedState(head.version, None, None)
         embedding = unpack_embedding(
-            self.versions.get_row(tier_key("e", tenant, memory_id, head["v"], head["w"])), self.index.dimension
+            self.versions.get_row(tier_key("e", tenant, memory_id, head.version, head.writer)), self.index.dimension
         )
         # an embedding of another text is never indexed: check() re-embeds it
         if record is None or embedding is None or embedding[0] != record.source_text_hash:
-            return IndexedState(head["v"], None, None)
-        return IndexedState(head["v"], record.session_id, embedding[1], memory_keywords(record))
+            return IndexedState(head.version, None, None)
+        return IndexedState(head.version, record.session_id, embedding[1], memory_keywords(record))
 
 
 def _check_keywords(value: Any) -> tuple[str, ...]:

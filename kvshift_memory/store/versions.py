@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 
 from ..exceptions import CorruptRecordError, StoreError
-from .layout import WRITER, parse_head, tier_key
+from .layout import WRITER, Head, parse_head, tier_key
 from .records import MemoryRecord
 from .tiers import KVTier
 
@@ -57,7 +57,7 @@ class Versions:
         writer = raw.decode("ascii", "replace") if raw else ""
         return writer if WRITER.fullmatch(writer) else None
 
-    def read_head(self, tenant: str, memory_id: str) -> tuple[bytes | None, dict | None]:
+    def read_head(self, tenant: str, memory_id: str) -> tuple[bytes | None, Head | None]:
         """A memory's head row as read (for a compare-and-set) and as parsed (``None``: absent or malformed)."""
         raw = self.get_row(tier_key("h", tenant, memory_id))
         return raw, parse_head(raw)
