@@ -26,6 +26,7 @@ from .exceptions import (
     StoreError,
     VersionConflictError,
 )
+from .messages import Message
 
 if TYPE_CHECKING:
     from .agent import AgentMemory, AgentSettings, Reply, ReplyStream
@@ -77,6 +78,7 @@ __all__ = [
     "KVShiftError",
     "MemoryNotFoundError",
     "MemoryRecord",
+    "Message",
     "MemoryStore",
     "ModelLoadError",
     "ModelNotFoundError",

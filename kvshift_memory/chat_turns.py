@@ -29,9 +29,10 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 from .exceptions import InvalidInputError
+from .messages import Message
 
 if TYPE_CHECKING:
     from .engine.grammar import Grammar
@@ -82,11 +83,11 @@ def schema_instructions(schema: Mapping[str, Any]) -> str:
     return f"Answer with one JSON object that follows this JSON schema:\n{json.dumps(schema, ensure_ascii=False)}"
 
 
-def with_system_text(messages: list[dict[str, Any]], text: str) -> list[dict[str, Any]]:
+def with_system_text(messages: Sequence[Mapping[str, Any]], text: str) -> list[dict[str, Any]]:
     """``messages`` with ``text`` after the system message's (a system message of its own when none)."""
     if messages and messages[0]["role"] == "system":
-        return [{**messages[0], "content": f"{messages[0]['content']}\n\n{text}"}, *messages[1:]]
-    return [{"role": "system", "content": text}, *messages]
+        return [{**messages[0], "content": f"{messages[0]['content']}\n\n{text}"}, *map(dict, messages[1:])]
+    return [{"role": "system", "content": text}, *map(dict, messages)]
 
 
 def closed_schema(schema: Any) -> Any:
@@ -217,12 +218,12 @@ def tool_response(content: str) -> str:
     return f"<tool_response>\n{content}\n</tool_response>"
 
 
-def as_text_turns(messages: list[dict[str, Any]], tools: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+def as_text_turns(messages: Sequence[Message], tools: Sequence[Mapping[str, Any]]) -> list[Message]:
     """``messages`` (the engine's, checked: calls in ``tool_calls``, results as ``"tool"``
     messages) in our own layout, as text: ``tools`` described after the system message's text,
     each call written after its message's text as the model writes it, each run of results one
     user turn. What a template that renders no tools is given."""
-    turns: list[dict[str, Any]] = []
+    turns: list[Message] = []
     after_result = False
     for message in messages:
         if message["role"] == "tool":
@@ -232,12 +233,15 @@ def as_text_turns(messages: list[dict[str, Any]], tools: Sequence[Mapping[str, A
             else:
                 turns.append({"role": "user", "content": response})
         elif message.get("tool_calls"):
-            text = "\n".join(part for part in (message["content"], format_tool_calls(message["tool_calls"])) if part)
-            turns.append({key: value for key, value in message.items() if key != "tool_calls"} | {"content": text})
+            turn = message.copy()
+            calls = turn.pop("tool_calls")
+            turn["content"] = "\n".join(part for part in (message["content"], format_tool_calls(calls)) if part)
+            turns.append(turn)
         else:
-            turns.append(dict(message))
+            turns.append(message.copy())
         after_result = message["role"] == "tool"
-    return with_system_text(turns, tools_instructions(tools)) if tools else turns
+    # with_system_text keeps every key of every message: only the system message's content grows
+    return cast("list[Message]", with_system_text(turns, tools_instructions(tools))) if tools else turns
 
 
 def plausible_reply_ids(ids: Any, content: str) -> bool:

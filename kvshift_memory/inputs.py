@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from typing import Any, Literal
 
 from .exceptions import InvalidInputError
+from .messages import Message, ToolCall
 
 __all__ = [
     "REUSE_MODES",
@@ -87,7 +88,7 @@ def check_tenant(value: Any) -> str:
     return "" if value is None else check_identifier(value, "tenant")
 
 
-def check_messages(messages: Any) -> list[dict[str, Any]]:
+def check_messages(messages: Any) -> list[Message]:
     """Accept a string (one user message) or a non-empty list of ``{"role", "content"}`` dicts.
 
     A user message may also carry ``"memories"`` (texts or records, placed inside that message,
@@ -126,7 +127,7 @@ def check_messages(messages: Any) -> list[dict[str, Any]]:
                 f"messages[{index}] has keys {sorted(map(str, unknown))}; a {role} message takes {sorted(allowed)}"
             )
         content = check_text(message["content"], f"messages[{index}]['content']", allow_empty=role != "user")
-        entry: dict[str, Any] = {"role": role, "content": content}
+        entry: Message = {"role": role, "content": content}
         if message.get("memories"):
             check_memories(message["memories"])
             entry["memories"] = list(message["memories"])
@@ -180,7 +181,7 @@ def _check_json_object(value: Any, what: str) -> dict[str, Any]:
     return value
 
 
-def _check_tool_calls(calls: Any, what: str) -> list[dict[str, Any]]:
+def _check_tool_calls(calls: Any, what: str) -> list[ToolCall]:
     if isinstance(calls, (str, bytes)) or not isinstance(calls, Sequence) or len(calls) > MAX_TOOL_CALLS:
         raise InvalidInputError(f"{what} is a list of at most {MAX_TOOL_CALLS} calls")
     checked = []
@@ -192,8 +193,10 @@ def _check_tool_calls(calls: Any, what: str) -> list[dict[str, Any]]:
             or set(call) - {"name", "arguments", "id"}
         ):
             raise InvalidInputError(f"{where} is a dict with 'name', 'arguments' and optionally 'id'")
-        entry: dict[str, Any] = {"name": _check_name(call["name"], f"{where}['name']")}
-        entry["arguments"] = _check_json_object(call["arguments"], f"{where}['arguments']")
+        entry: ToolCall = {
+            "name": _check_name(call["name"], f"{where}['name']"),
+            "arguments": _check_json_object(call["arguments"], f"{where}['arguments']"),
+        }
         if call.get("id") is not None:
             entry["id"] = _check_name(call["id"], f"{where}['id']")
         checked.append(entry)

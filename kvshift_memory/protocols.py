@@ -6,7 +6,7 @@ test double or another implementation may too (the type checker says whether it 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal, Protocol, overload, runtime_checkable
 
 if TYPE_CHECKING:
@@ -25,7 +25,7 @@ class Engine(Protocol):
     @overload
     def generate(
         self,
-        messages: Sequence[dict[str, Any]] | str,
+        messages: Sequence[Mapping[str, Any]] | str,
         memories: Sequence[Any] | None = None,
         *,
         reuse: str | None = None,
@@ -39,7 +39,7 @@ class Engine(Protocol):
     @overload
     def generate(
         self,
-        messages: Sequence[dict[str, Any]] | str,
+        messages: Sequence[Mapping[str, Any]] | str,
         memories: Sequence[Any] | None = None,
         *,
         reuse: str | None = None,
@@ -53,7 +53,7 @@ class Engine(Protocol):
     def warm(
         self,
         memories: Sequence[Any],
-        messages: Sequence[dict[str, Any]] | str | None = None,
+        messages: Sequence[Mapping[str, Any]] | str | None = None,
         *,
         lead_fragments: bool | None = None,
         tenant: str | None = None,

@@ -23,6 +23,7 @@ EXPECTED = {
     "KVShiftError",
     "MemoryNotFoundError",
     "MemoryRecord",
+    "Message",
     "MemoryStore",
     "ModelLoadError",
     "ModelNotFoundError",

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Literal, overload
 
@@ -152,7 +152,7 @@ class KVShiftEngine:
     @overload
     def generate(
         self,
-        messages: Sequence[dict[str, Any]] | str,
+        messages: Sequence[Mapping[str, Any]] | str,
         memories: Sequence[Any] | None = None,
         *,
         stream: Literal[False] = False,
@@ -162,7 +162,7 @@ class KVShiftEngine:
     @overload
     def generate(
         self,
-        messages: Sequence[dict[str, Any]] | str,
+        messages: Sequence[Mapping[str, Any]] | str,
         memories: Sequence[Any] | None = None,
         *,
         stream: Literal[True],
@@ -172,7 +172,7 @@ class KVShiftEngine:
     @renamed_keyword("namespace", "tenant")
     def generate(
         self,
-        messages: Sequence[dict[str, Any]] | str,
+        messages: Sequence[Mapping[str, Any]] | str,
         memories: Sequence[Any] | None = None,
         *,
         reuse: str | None = None,
@@ -278,7 +278,7 @@ class KVShiftEngine:
     @renamed_keyword("namespace", "tenant")
     def score(
         self,
-        messages: Sequence[dict[str, Any]] | str,
+        messages: Sequence[Mapping[str, Any]] | str,
         memories: Sequence[Any] | None = None,
         continuation: str | Sequence[int] = "",
         *,
@@ -324,13 +324,13 @@ class KVShiftEngine:
     def warm(
         self,
         memories: Sequence[Any],
-        messages: Sequence[dict[str, str]] | str | None = None,
+        messages: Sequence[Mapping[str, Any]] | str | None = None,
         *,
         fragments_after: str | None = None,
         lead_fragments: bool | None = None,
         encode_context: str | None = None,
         tenant: str | None = None,
-        from_turn: Sequence[dict[str, Any]] | None = None,
+        from_turn: Sequence[Mapping[str, Any]] | None = None,
     ) -> int:
         """Encode the memories' fragments now, ahead of any question, and cache the shared prefix.
 

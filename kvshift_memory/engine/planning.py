@@ -9,7 +9,7 @@ placed) call the two steps themselves.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -18,6 +18,7 @@ import torch
 from .. import inputs
 from ..exceptions import ContextOverflowError, InvalidInputError
 from ..kv.cache import ShiftCache
+from ..messages import Message
 from ..protocols import ChunkStore
 from .families import PositionScheme
 from .prompt import FragmentSpan, PromptLayout, ScopedTokens, TokenMemo, build_layout
@@ -90,7 +91,7 @@ class Planner:
 
     def plan(
         self,
-        messages: Sequence[dict[str, Any]] | str,
+        messages: Sequence[Mapping[str, Any]] | str,
         memories: Sequence[Any] | None = None,
         *,
         reuse: str | None = None,
@@ -129,7 +130,9 @@ class Planner:
         tokens = self._tokens.scoped(tenant)
         layout = build_layout(tokens, checked, texts, settings.system_prompt, settings.memory_header, bound)
         if fragments_after is not None:
-            fixed = [{"role": "system", "content": inputs.check_text(fragments_after, "fragments_after")}]
+            fixed: list[Message] = [
+                {"role": "system", "content": inputs.check_text(fragments_after, "fragments_after")}
+            ]
             layout = replace(layout, conditioning=self._conditioning_after(tokens, fixed))
         if layout.fragments:
             layout = replace(layout, default_conditioning=self._default_conditioning())
@@ -165,9 +168,9 @@ class Planner:
                 mode, fallback = "prefix", f"{no_room}: exact prefix reuse"
         return PromptPlan(layout, mode, requested or "auto", ratio, fallback, extra_tokens, kv_store)
 
-    def _conditioning_after(self, tokens: ScopedTokens, system: list[dict[str, str]]) -> torch.Tensor:
+    def _conditioning_after(self, tokens: ScopedTokens, system: list[Message]) -> torch.Tensor:
         """The conditioning of a prompt whose system message is ``system`` (empty: the engine's own)."""
-        question = [{"role": "user", "content": "?"}]  # only the system message matters here
+        question: list[Message] = [{"role": "user", "content": "?"}]  # only the system message matters here
         settings = self._settings
         return build_layout(tokens, system + question, [], settings.system_prompt, settings.memory_header).conditioning
 
@@ -192,11 +195,11 @@ class Planner:
     def warm_layout(
         self,
         memories: Sequence[Any],
-        messages: Sequence[dict[str, Any]] | str | None,
+        messages: Sequence[Mapping[str, Any]] | str | None,
         fragments_after: str | None,
         encode_context: str | None,
         tenant: str | None,
-        from_turn: Sequence[dict[str, Any]] | None,
+        from_turn: Sequence[Mapping[str, Any]] | None,
     ) -> tuple[PromptLayout | None, torch.Tensor | None]:
         """What ``KVShiftEngine.warm`` encodes: the memories' layout (``None`` when nothing can be
         shifted) and the token ids of the turn ``from_turn`` names.

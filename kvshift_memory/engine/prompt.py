@@ -44,6 +44,7 @@ import torch
 
 from ..chat_turns import ToolLayout, as_text_turns
 from ..exceptions import InvalidInputError
+from ..messages import Message
 
 __all__ = [
     "FragmentSpan",
@@ -340,7 +341,7 @@ def _usable_reply_ids(tokenizer: Any, ids: Sequence[int], content: str) -> bool:
 
 def build_layout(
     tokens: TokenMemo | ScopedTokens,
-    messages: list[dict[str, Any]],
+    messages: list[Message],
     memories: Sequence[str],
     system_prompt: str,
     memory_header: str,
@@ -355,9 +356,9 @@ def build_layout(
     if tokens.tool_layout == "kvshift":
         messages, tools = as_text_turns(messages, tools), ()
     tag = secrets.token_hex(8)
-    contents: dict[str, tuple[str, bool, list[int] | None]] = {}  # sentinel -> (text, is memory, ids)
+    contents: dict[str, tuple[str, bool, Sequence[int] | None]] = {}  # sentinel -> (text, is memory, ids)
 
-    def sentinel(text: str, is_memory: bool = False, ids: list[int] | None = None) -> str:
+    def sentinel(text: str, is_memory: bool = False, ids: Sequence[int] | None = None) -> str:
         key = f"\x00{tag}:{len(contents)}\x00"
         contents[key] = (text, is_memory, ids)
         return key
@@ -393,7 +394,7 @@ def build_layout(
         elif message.get("tool_calls"):
             content = sentinel(content) if content else ""  # a template writes no text before a bare call
         else:
-            reply_ids = message.get("token_ids")
+            reply_ids: Sequence[int] | None = message.get("token_ids")
             if reply_ids is None and message["role"] == "assistant":
                 reply_ids = tokens.reply_ids(content)  # what the model wrote, when this engine wrote it
             if reply_ids is not None and not _usable_reply_ids(tokens.tokenizer, reply_ids, content):
@@ -401,7 +402,7 @@ def build_layout(
             content = sentinel(content, ids=reply_ids)
         if fold and not rendered_messages:
             content = system + sentinel("\n\n") + content
-        rendered = {"role": message["role"], "content": content}
+        rendered: dict[str, Any] = {"role": message["role"], "content": content}
         if message.get("tool_calls"):
             rendered["tool_calls"] = [
                 {
