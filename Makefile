@@ -13,7 +13,7 @@ UV_PIN ?= uv==0.13.9
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: install demo lint test wheels fresh-install bench notebooks clean
+.PHONY: install demo lint test suite wheels fresh-install fresh-venv fresh-check bench notebooks clean
 
 LLAMA_LLMS := integrations/llama_index/llama-index-llms-kvshift
 LLAMA_MEMORY := integrations/llama_index/llama-index-memory-kvshift
@@ -36,16 +36,23 @@ lint: install
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
 
-# the suite runs after lint, so CI (.ci/run: `make test`) checks both, then what pip alone installs.
-# Two workers of one thread each (a test file stays on one worker, so its module fixtures load once):
-# most of a test's time is one core's Python and small kernels, so two of them share two cores well.
-# The README's quick starts run once, in fresh-install, from the wheels a user would install; the
+# `make test` (CI's .ci/run) checks lint, the suite, then what pip alone installs. Lint, the suite
+# and the fresh install's pip work run side by side (mypy and pip use one core each, and the
+# suite's two workers leave one idle while the other finishes its last file); each target's output
+# is printed whole when it ends. Two workers of one thread each (a test file stays on one worker,
+# so its module fixtures load once): most of a test's time is one core's Python and small kernels.
+# The README's quick starts run once, in fresh-check, from the wheels a user would install; the
 # suite leaves out its own run of them (tests/test_readme.py runs them under a plain `pytest`).
+# The wheels are built first: the suite's packaging test builds from the same source folders.
 TEST_WORKERS ?= 2
-test: lint
+FRESH ?= $(or $(TMPDIR),/tmp)/kvshift-fresh-$(shell printf %s "$(CURDIR)" | cksum | cut -d" " -f1)
+test: wheels
+	$(MAKE) -j3 --output-sync=target lint suite fresh-venv
+	$(MAKE) fresh-check
+
+suite: install
 	OMP_NUM_THREADS=1 $(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile \
 		--deselect tests/test_readme.py::test_a_readme_block_runs_as_written
-	$(MAKE) fresh-install
 
 # the four distributions as a PEP 517 build makes them (sdist, then the wheel from it; uv's build
 # frontend, which keeps the build backend's environment between builds), checked as PyPI checks them
@@ -61,6 +68,14 @@ wheels: install
 # models install`: the default model answers offline and the README's quick starts run as written
 fresh-install: wheels
 	PYTHON=$(PYTHON) TORCH_PIN=$(TORCH_PIN) .ci/fresh-install $(DIST)
+
+# the same in two steps, in $(FRESH) (outside the checkout): the venv from the wheelhouse `make
+# wheels` left (beside the suite in `make test`), then the checks
+fresh-venv:
+	STEPS=venv PYTHON=$(PYTHON) TORCH_PIN=$(TORCH_PIN) .ci/fresh-install $(DIST) $(FRESH)
+
+fresh-check:
+	STEPS=check .ci/fresh-install $(DIST) $(FRESH)
 
 bench: install
 	$(PY) benchmarks/ttft.py
