@@ -367,9 +367,10 @@ def _erase(store: StoreParts, tenant: str, memory_id: str, head: Head, report: G
         _free(store, key, report)
     store.tier.append(LOG_KEY, log_entry(tenant, memory_id))
     # the tombstone stays: it tells every index to drop the point, and ids are never reused
-    store.tier.set(tier_key("h", tenant, memory_id), head_bytes(head.version, head.writer, deleted=True, erased=True))
+    erased = replace(head, deleted=True, erased=True)
+    store.tier.set(tier_key("h", tenant, memory_id), erased.to_bytes())
     report.erased_memories += 1
-    return replace(head, deleted=True, erased=True)
+    return erased
 
 
 def _free(store: StoreParts, key: str, report: GCReport) -> None:
