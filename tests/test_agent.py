@@ -402,9 +402,13 @@ BRIEF = "\n\n".join(
 )
 
 
-def test_a_long_document_is_stored_in_parts_and_shifted_in_by_default(bundled_engine, store):
-    agent = _agent(bundled_engine, store)
-    assert agent.settings.reuse == "auto"
+def test_a_long_document_is_stored_in_parts_and_shifted_in_under_the_blend(bundled_engine, store):
+    bundled_engine.clear_cache()
+    exact = _agent(bundled_engine, store, session="exact")
+    assert exact.settings.reuse == "auto" and bundled_engine.settings.auto_shifts is False
+    exact.add_document(BRIEF, source="draft.md", max_tokens=150)  # "auto" would recompute it: nothing encoded
+    assert len(bundled_engine.runner.fragments) == 0
+    agent = _agent(bundled_engine, store, reuse="blend")
     parts = agent.add_document(BRIEF, source="brief.md", max_tokens=150)
     assert len(parts) > 1 and all(bundled_engine.count_tokens(p.text) <= 150 for p in parts)
     assert [p.part for p in parts] == list(range(len(parts))) and {p.source for p in parts} == {"brief.md"}
@@ -413,10 +417,18 @@ def test_a_long_document_is_stored_in_parts_and_shifted_in_by_default(bundled_en
     assert recalled_parts  # warmed when added: shifted in, nothing encoded at question time
     assert reply.stats.memory_reuse.count("shifted") >= len(recalled_parts)
     assert reply.stats.fragments_missed == 0 and reply.stats.encoded_tokens == 0
-    short = agent.add("Tea, no sugar.")  # too short for shifting to pay: no fragment encoded for it
-    assert not bundled_engine.runner.fragments.available(
-        bundled_engine.planner.plan("q", [short], tenant=agent.user_id).layout,
-        bundled_engine.planner.plan("q", [short], tenant=agent.user_id).layout.fragments[0],
-    )
     with pytest.raises(InvalidInputError):
         agent.add_document("  ")
+
+
+def test_under_auto_a_long_memory_is_encoded_as_it_is_stored_and_a_short_one_is_not(tiny_engine, store):
+    assert tiny_engine.settings.auto_shifts is True  # a model nobody measured: "auto" shifts long memories
+    agent = _agent(tiny_engine, store)
+
+    def encoded(record) -> bool:
+        layout = tiny_engine.planner.plan("q", [record], tenant=agent.user_id).layout
+        return tiny_engine.runner.fragments.available(layout, layout.fragments[0])
+
+    long = agent.add(BRIEF.split("\n\n")[0] * 2)
+    short = agent.add("Tea, no sugar.")  # too short for shifting to pay: no fragment encoded for it
+    assert encoded(long) and not encoded(short)

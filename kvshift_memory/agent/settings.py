@@ -26,7 +26,8 @@ class AgentSettings:
     :param max_new_tokens: default reply length bound.
     :param reuse: ``"auto"`` (default: exact reuse of the system prompt and the session's earlier
         turns; a recalled memory whose fragment is long enough for shifting to pay is shifted in
-        and repaired by the blend, a shorter one is recomputed with the question),
+        and repaired by the blend, a shorter one is recomputed with the question; on a model whose
+        ``EngineSettings.auto_shifts`` is false, the shipped ones, every one is recomputed),
         ``"prefix"`` (recalled memories always recomputed with the question, so answers are full
         recompute's), ``"blend"`` (every recalled memory's fragment shifted in) or ``"none"``
         (the baseline). Measured in ``docs/benchmarks/long_memory.md`` and

@@ -46,7 +46,8 @@ class ReuseStats:
     :param fragments_recomputed: memories with a fragment, or too short to need one, computed
         with the question because shifting would not pay: fewer tokens than
         ``min_recompute_tokens`` (``reuse="auto"``), a fetch the cost model finds dearer than
-        recomputing, or a repair that would recompute them whole anyway.
+        recomputing, a repair that would recompute them whole anyway, or ``"auto"`` staying exact
+        on this model (``fallback_reason`` says why).
     :param memory_reuse: per memory of the prompt, in order, what it got: ``"prefix"`` (inside
         the reused prefix), ``"lead"`` (its lead fragment), ``"shifted"`` (its fragment, shifted
         and repaired), ``"recomputed"``, ``"missed"``, ``"rejected"`` (computed with the question),

@@ -123,7 +123,11 @@ class ModelRunner:
         stats.reused_tokens = reused
         stats.shifted_tokens = shifted
         stats.fragments_hit = sum(1 for span in layout.fragments if span.end <= reused)
-        stats.memory_reuse = ["prefix" if span.end <= reused else "text" for span in layout.fragments]
+        # "auto" that stays exact (the model's measured choice, or no shift possible) recomputes each
+        # memory with the question by choice; under "prefix" or "none" a memory is read as text
+        computed = "recomputed" if mode != "blend" and plan.requested_reuse == "auto" else "text"
+        stats.memory_reuse = ["prefix" if span.end <= reused else computed for span in layout.fragments]
+        stats.fragments_recomputed = stats.memory_reuse.count("recomputed")
         # Only the last run of memories (at most separators apart) is placed; earlier ones not yet
         # cached (a conversation whose earlier turns fell out of the prefix cache) are read as text.
         new_spans = (

@@ -4,8 +4,9 @@ RAG with reuse in LangChain's own terms: ``store.add_document(...)`` cuts a long
 memories (their fragments encoded once), the retriever returns the ones nearest a query as
 ``Document`` objects whose ``page_content`` is the memory's text wrapped in its span marker, and a
 chain that puts those documents into a human message for :class:`~langchain_kvshift.ChatKVShift`
-(given the same store and user) gets their stored K/V shifted into the prompt instead of
-prefilling them (``docs/how-it-works.md``). Any other model sees the markers as text: strip them
+(given the same store and user, and ``reuse="blend"``, or ``"auto"`` on a model whose
+``auto_shifts`` is true) gets their stored K/V shifted into the prompt instead of prefilling them
+(``docs/how-it-works.md``). Any other model sees the markers as text: strip them
 with :func:`kvshift_memory.adapters.strip_markers` when the documents go elsewhere.
 """
 

@@ -58,7 +58,7 @@ def test_a_rag_chain_shifts_the_retrieved_parts_k_v_into_the_prompt(store):
     prompt = ChatPromptTemplate.from_messages(
         [("system", "Answer from the context."), ("human", "Context:\n{context}\n\nQuestion: {question}")]
     )
-    llm = ChatKVShift(store=store, user_id="alice", max_tokens=16)
+    llm = ChatKVShift(store=store, user_id="alice", max_tokens=16, reuse="blend")  # auto: exact on this model
     seen = []
 
     def remember_stats(message):

@@ -54,7 +54,7 @@ def _llm(store, user: str = "alice", **options) -> tuple[KVShiftLLM, list[tuple[
 
 
 def test_a_chat_engine_recalls_a_fact_from_an_earlier_session_from_its_fragment(store, tmp_path):
-    llm, calls = _llm(store, recompute_ratio=0.0)  # shift-only: the stored fragment is placed as it is
+    llm, calls = _llm(store, reuse="blend", recompute_ratio=0.0)  # shift-only: the fragment placed as stored
     monday = SimpleChatEngine.from_defaults(llm=llm, memory=_memory(store, tmp_path, "monday"))
     monday.chat(FACT)
     monday.chat("I am also learning to play the cello this winter.")

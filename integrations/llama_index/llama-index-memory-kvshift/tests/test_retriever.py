@@ -51,7 +51,7 @@ def test_a_query_engine_shifts_the_retrieved_parts_k_v_into_the_prompt(store):
     )
     for part in parts:  # encoded once, at ingestion, as an application would
         engine.warm([part], tenant="alice", lead_fragments=False)
-    llm = KVShiftLLM(store=store, user_id="alice", max_tokens=16)
+    llm = KVShiftLLM(store=store, user_id="alice", max_tokens=16, reuse="blend")  # auto: exact on this model
     seen = []
     original = engine.generate
 

@@ -3,10 +3,11 @@
 RAG with reuse in LlamaIndex's own terms: ``store.add_document(...)`` cuts a long text into
 memories (their fragments encoded once), the retriever returns the ones nearest a query as nodes
 whose text is the memory wrapped in its span marker, and a query engine over
-``llama_index.llms.kvshift.KVShiftLLM`` (given the same store and user) that puts them into the
-user message gets their stored K/V shifted into the prompt instead of prefilling them
-(``docs/how-it-works.md``). Markers in a *system* message are read as text (a chat engine that
-writes its context there gets no reuse from them).
+``llama_index.llms.kvshift.KVShiftLLM`` (given the same store and user, and ``reuse="blend"``, or
+``"auto"`` on a model whose ``auto_shifts`` is true) that puts them into the user message gets their
+stored K/V shifted into the prompt instead of prefilling them (``docs/how-it-works.md``). Markers
+in a *system* message are read as text (a chat engine that writes its context there gets no reuse
+from them).
 """
 
 from __future__ import annotations
