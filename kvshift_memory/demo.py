@@ -128,7 +128,7 @@ def run_demo(store_path: str | None = None, max_new_tokens: int = 32) -> int:
             print(
                 f"{'question':<38} {'best recalled memory (+ others)':<48} {'stated in':>10} {'recalled':>8} "
                 + " ".join(f"{reuse:>20}" for reuse in arms[:-1])
-                + f" {arms[-1]:>7}"
+                + f" {'restored':>8} {arms[-1]:>7}"
             )
             for question, answers in table:
                 recalled = answers["none"].recalled  # most relevant last
@@ -145,7 +145,7 @@ def run_demo(store_path: str | None = None, max_new_tokens: int = 32) -> int:
                 print(
                     f"{question[:38]:<38} {best[:48]:<48} {source[:10]:>10} {tokens:>4} tok "
                     + " ".join(cells)
-                    + f" {none * 1000:>5.0f}ms"
+                    + f" {answers[asking.reuse].stats.restored_tokens:>8} {none * 1000:>5.0f}ms"
                 )
             print(f"\nanswers ({' | '.join(arms)}):")
             for question, answers in table:
@@ -156,9 +156,11 @@ def run_demo(store_path: str | None = None, max_new_tokens: int = 32) -> int:
                 "\nTTFT counts from the call, recall from the store included; each speed-up is against full\n"
                 "recompute (none) and says whether the answer is full recompute's. The default, auto, reuses the\n"
                 "conversation exactly and recomputes recalled memories on this model: shifting them in changed too\n"
-                'many answers when measured (docs/benchmarks/long_memory.md). reuse="blend" shifts the brief\'s\n'
-                "fragments in, faster the more is recalled, and its answers may differ. The bundled model has 135M\n"
-                "parameters and often gets facts wrong even with the right memory."
+                "many answers when measured (docs/benchmarks/long_memory.md). It also reads back K/V that earlier\n"
+                "turns with the same prompt start stored (restored: tokens); stored at int8, the store's default,\n"
+                'that can move an answer (MemoryStore(codec="fp32") stores it exactly). reuse="blend" shifts the\n'
+                "brief's fragments in, faster the more is recalled, and its answers may differ. The bundled model\n"
+                "has 135M parameters and often gets facts wrong even with the right memory."
             )
     print(f"\ndemo finished in {time.perf_counter() - started:.0f} s")
     return 0
