@@ -404,7 +404,7 @@ BRIEF = "\n\n".join(
 
 def test_a_long_document_is_stored_in_parts_and_shifted_in_under_the_blend(bundled_engine, store):
     bundled_engine.clear_cache()
-    exact = _agent(bundled_engine, store, session="exact")
+    exact = _agent(bundled_engine, store, session="exact", user="bob")  # another user: alice's recall is her own
     assert exact.settings.reuse == "auto" and bundled_engine.settings.auto_shifts is False
     exact.add_document(BRIEF, source="draft.md", max_tokens=150)  # "auto" would recompute it: nothing encoded
     assert len(bundled_engine.runner.fragments) == 0
