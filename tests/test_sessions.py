@@ -4,6 +4,11 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+from subprocess import PIPE
 
 import pytest
 from test_agent import _new_tokens_bound
@@ -67,25 +72,19 @@ def test_a_new_process_continues_the_session_with_its_kv_restored(engines, folde
     assert resumed.window[:-1] == window
 
 
-@pytest.mark.model
-@pytest.mark.parametrize("backend", ["disk", "redis-cluster"])
-def test_two_workers_alternating_turns_each_read_the_conversation_from_cache(
-    engines, folder, embedder, backend, request
-):
-    """Behind a load balancer: turns of one session land on two workers in turn, each with its own
-    engine and store object; each sees the other's turns and reads the prompt from cache."""
-    from conftest import empty_redis
+ALTERNATED = TURNS + ["What is my budget?", "Who comes with me?"]
 
+
+@pytest.mark.model
+def test_two_workers_alternating_turns_each_read_the_conversation_from_cache(engines, folder, embedder):
+    """Behind a load balancer: turns of one session land on two workers in turn, each with its own
+    engine and store object over one folder; each sees the other's turns and reads the prompt from cache."""
     for engine in engines:
         engine.clear_cache()
-    if backend == "disk":
-        stores = [_store(folder, embedder) for _ in engines]
-    else:
-        url = empty_redis(backend, request)
-        stores = [MemoryStore(kv_url=url, index_url=":memory:", embedder=embedder) for _ in engines]
+    stores = [_store(folder, embedder) for _ in engines]
     workers = [_agent(engine, store) for engine, store in zip(engines, stores, strict=True)]
     shares = []
-    for index, message in enumerate(TURNS + ["What is my budget?", "Who comes with me?"]):
+    for index, message in enumerate(ALTERNATED):
         worker = workers[index % 2]
         reply = worker.chat(message)
         worker.engine.flush_chunks(timeout_s=120)
@@ -101,6 +100,40 @@ def test_two_workers_alternating_turns_each_read_the_conversation_from_cache(
     assert shares[-1] >= 0.9, shares  # the new message's share falls as the conversation grows
     for store in stores:
         store.close()
+
+
+@pytest.mark.model
+def test_two_worker_processes_over_a_redis_cluster_alternate_a_sessions_turns(redis_cluster_url):
+    """The same, as deployed: two worker processes, each with its engine and its store over one
+    Redis Cluster, answer the turns of one session in turn."""
+    from conftest import flushed
+
+    url = flushed(redis_cluster_url)
+    command = [sys.executable, str(Path(__file__).with_name("agent_worker.py")), url, str(CHUNK)]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    workers = [subprocess.Popen(command, stdin=PIPE, stdout=PIPE, text=True, env=env) for _ in range(2)]
+    try:
+        assert [worker.stdout.readline().strip() for worker in workers] == ["ready", "ready"]
+        shares = []
+        for index, message in enumerate(ALTERNATED):
+            worker = workers[index % 2]
+            worker.stdin.write(message + "\n")
+            worker.stdin.flush()
+            line = worker.stdout.readline()
+            assert line, f"a worker ended (exit status {worker.wait(timeout=60)}); its error is above"
+            turn = json.loads(line)
+            assert turn["flushed"] and turn["last_message"] == message
+            assert turn["window"] == index + 1  # the other worker's turns are in it
+            if index:
+                assert turn["restored_tokens"] > 0  # the other worker's turn came from the cluster
+                assert turn["prompt_tokens"] - turn["reused_tokens"] <= turn["new_tokens_bound"]
+                shares.append(turn["reused_tokens"] / turn["prompt_tokens"])
+    finally:
+        for worker in workers:
+            worker.stdin.close()
+            worker.wait(timeout=60)
+    print("shares of the prompt read from cache:", [round(share, 3) for share in shares])
+    assert shares[-1] >= 0.9, shares
 
 
 @pytest.mark.model
