@@ -18,9 +18,16 @@ must equal full recompute's; with int8 the mean KL and top-1 agreement of the ne
 distributions over recompute's answer are reported. The folder's files stay in the OS page cache
 between the runs, as they do for a process restarted on the same machine.
 
+With ``--alternate N``, first: one agent session whose N turns (LoCoMo's first speaker's
+messages) land on two worker processes in turn, as behind a load balancer, each with its own
+engine and store over one Redis Cluster (three nodes on 127.0.0.1, started and stopped here); per
+turn, how much of the prompt came from cache (the worker's own prefix cache, or chunks the other
+worker stored) and what was prefilled.
+
 Data is read from ../shared/data/locomo (CC BY-NC 4.0), never copied.
 
     python benchmarks/resume.py [--sizes 2000,4000,8000] [--repeats 5]    # ~12 min on 2 cores
+    python benchmarks/resume.py --sizes "" --alternate 16 --output benchmarks/results/resume_alternate.json
 
 Prints a table and writes ``benchmarks/results/resume.json``.
 """
@@ -45,9 +52,10 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "tests"))
+from agent_worker import alternate  # noqa: E402
 from benchdata import locomo_turns, write_report  # noqa: E402
 from fidelity import kl_and_top1  # noqa: E402
-from redis_server import RedisServer  # noqa: E402
+from redis_server import RedisCluster, RedisServer  # noqa: E402
 
 from kvshift_memory import KVShiftEngine, MemoryStore  # noqa: E402
 from kvshift_memory.embedding import MiniLMEmbedder  # noqa: E402
@@ -139,15 +147,41 @@ def fidelity(engine: KVShiftEngine, turn, open_exact, open_int8) -> dict[str, An
     return out
 
 
+def alternated(turns: int, answer_tokens: int) -> list[dict[str, Any]]:
+    """The first ``turns`` messages of LoCoMo's first speaker, told to one agent session whose turns
+    alternate between two worker processes over a throwaway Redis Cluster (each worker an engine
+    and a store of its own, the store's default chunks and cost model); each turn's report."""
+    first_speaker = locomo_turns(1)[0].partition(": ")[0]
+    lines = (line.partition(": ") for line in locomo_turns(10 * turns))
+    messages = [text for speaker, _, text in lines if speaker == first_speaker][:turns]
+    cluster = RedisCluster()
+    try:
+        return alternate(cluster.url, messages, "--max-new-tokens", str(answer_tokens))
+    finally:
+        cluster.stop()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", default="2000,4000,8000")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--redis-url", default=None, help="default: a throwaway redis-server on 127.0.0.1")
+    parser.add_argument(
+        "--alternate", type=int, default=0, help="turns of one session alternated between two worker processes"
+    )
     parser.add_argument("--output", default=str(RESULTS / "resume.json"))
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    turns = alternated(args.alternate, ANSWER_TOKENS) if args.alternate else []
+    for number, report in enumerate(turns, start=1):
+        share = report["reused_tokens"] / report["prompt_tokens"]
+        print(
+            f"turn {number:>2} (worker {2 - number % 2}) | prompt {report['prompt_tokens']:>5} | from cache "
+            f"{report['reused_tokens']:>5} ({share:.0%}), of which restored {report['restored_tokens']:>5} "
+            f"| prefilled {report['prefilled_tokens']:>4} (message {report['message_tokens']:>3})",
+            flush=True,
+        )
     engine = KVShiftEngine.from_pretrained()
     embedder = MiniLMEmbedder()
     rows = []
@@ -164,7 +198,7 @@ def main() -> None:
                 return lambda: MemoryStore(folder / codec, embedder=embedder, index_url=":memory:", codec=codec)
             return lambda: MemoryStore(kv_url=redis_url, index_url=":memory:", embedder=embedder, codec=codec)
 
-        for size in (int(s) for s in args.sizes.split(",")):
+        for size in (int(s) for s in args.sizes.split(",") if s):
             saids = []
             for kind, codec in (("disk", "int8"), ("redis", "int8"), ("disk", "fp32")):
                 store = restarted(engine, opener(kind, codec))
@@ -215,6 +249,7 @@ def main() -> None:
             "machine": platform.processor() or platform.machine(),
             "measured_at": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
             "rows": rows,
+            "alternated_turns": turns,
         },
     )
 

@@ -4,11 +4,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import subprocess
-import sys
-from pathlib import Path
-from subprocess import PIPE
 
 import pytest
 from test_agent import _new_tokens_bound
@@ -106,32 +101,18 @@ def test_two_workers_alternating_turns_each_read_the_conversation_from_cache(eng
 def test_two_worker_processes_over_a_redis_cluster_alternate_a_sessions_turns(redis_cluster_url):
     """The same, as deployed: two worker processes, each with its engine and its store over one
     Redis Cluster, answer the turns of one session in turn."""
+    from agent_worker import alternate
+
     from conftest import flushed
 
-    url = flushed(redis_cluster_url)
-    command = [sys.executable, str(Path(__file__).with_name("agent_worker.py")), url, str(CHUNK)]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    workers = [subprocess.Popen(command, stdin=PIPE, stdout=PIPE, text=True, env=env) for _ in range(2)]
-    try:
-        assert [worker.stdout.readline().strip() for worker in workers] == ["ready", "ready"]
-        shares = []
-        for index, message in enumerate(ALTERNATED):
-            worker = workers[index % 2]
-            worker.stdin.write(message + "\n")
-            worker.stdin.flush()
-            line = worker.stdout.readline()
-            assert line, f"a worker ended (exit status {worker.wait(timeout=60)}); its error is above"
-            turn = json.loads(line)
-            assert turn["flushed"] and turn["last_message"] == message
-            assert turn["window"] == index + 1  # the other worker's turns are in it
-            if index:
-                assert turn["restored_tokens"] > 0  # the other worker's turn came from the cluster
-                assert turn["prompt_tokens"] - turn["reused_tokens"] <= turn["new_tokens_bound"]
-                shares.append(turn["reused_tokens"] / turn["prompt_tokens"])
-    finally:
-        for worker in workers:
-            worker.stdin.close()
-            worker.wait(timeout=60)
+    turns = alternate(flushed(redis_cluster_url), ALTERNATED, "--chunk-tokens", str(CHUNK), "--always-restore")
+    for index, (message, turn) in enumerate(zip(ALTERNATED, turns, strict=True)):
+        assert turn["last_message"] == message
+        assert turn["window"] == index + 1  # the other worker's turns are in it
+        if index:
+            assert turn["restored_tokens"] > 0  # the other worker's turn came from the cluster
+            assert turn["prompt_tokens"] - turn["reused_tokens"] <= turn["new_tokens_bound"]
+    shares = [turn["reused_tokens"] / turn["prompt_tokens"] for turn in turns[1:]]
     print("shares of the prompt read from cache:", [round(share, 3) for share in shares])
     assert shares[-1] >= 0.9, shares
 
