@@ -27,7 +27,8 @@ worker stored) and what was prefilled.
 Data is read from ../shared/data/locomo (CC BY-NC 4.0), never copied.
 
     python benchmarks/resume.py [--sizes 2000,4000,8000] [--repeats 5]    # ~12 min on 2 cores
-    python benchmarks/resume.py --sizes "" --alternate 16 --output benchmarks/results/resume_alternate.json
+    python benchmarks/resume.py --sizes "" --alternate 24 --output benchmarks/results/resume_alternate.json
+    python benchmarks/resume.py --model gemma-3-270m --sizes 2000,4000 --output benchmarks/results/resume_gemma3.json
 
 Prints a table and writes ``benchmarks/results/resume.json``.
 """
@@ -165,6 +166,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", default="2000,4000,8000")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--model", default="smollm2-135m-instruct", help="a shipped model's name, a folder or hub id")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--redis-url", default=None, help="default: a throwaway redis-server on 127.0.0.1")
     parser.add_argument(
@@ -182,7 +184,7 @@ def main() -> None:
             f"| prefilled {report['prefilled_tokens']:>4} (message {report['message_tokens']:>3})",
             flush=True,
         )
-    engine = KVShiftEngine.from_pretrained()
+    engine = KVShiftEngine.from_pretrained(args.model)
     embedder = MiniLMEmbedder()
     rows = []
     with contextlib.ExitStack() as stack:
@@ -242,7 +244,7 @@ def main() -> None:
         Path(args.output),
         {
             "command": "python benchmarks/resume.py " + " ".join(sys.argv[1:]),
-            "model": "smollm2-135m-instruct",
+            "model": args.model,
             "chunk_tokens": engine.settings.chunk_tokens,
             "threads": args.threads,
             "repeats": args.repeats,

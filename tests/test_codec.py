@@ -21,13 +21,13 @@ LAYERS, HEADS, DIM = 30, 3, 64
 FP32_BYTES_PER_TOKEN = LAYERS * HEADS * DIM * 2 * 4
 
 
-def fragment(n: int, layers: int = LAYERS, seed: int = 0) -> Fragment:
+def fragment(n: int, layers: int = LAYERS, seed: int = 0, base_position: int = 700) -> Fragment:
     generator = torch.Generator().manual_seed(seed)
     # keys with outlier channels, as RoPE'd keys have; values without
     channel_scale = torch.linspace(0.2, 6.0, DIM)
     keys = tuple(torch.randn(1, HEADS, n, DIM, generator=generator) * channel_scale for _ in range(layers))
     values = tuple(torch.randn(1, HEADS, n, DIM, generator=generator) for _ in range(layers))
-    return Fragment(tuple(range(n)), keys, values, base_position=700, context_digest="digest")
+    return Fragment(tuple(range(n)), keys, values, base_position=base_position, context_digest="digest")
 
 
 def relative_error(a: Fragment, b: Fragment) -> float:
@@ -45,6 +45,55 @@ def test_round_trip_error_is_bounded(codec, bound, n):
     assert decoded.base_position == 700 and decoded.context_digest == "digest"
     assert [k.shape for k in decoded.keys] == [k.shape for k in original.keys]
     assert relative_error(original, decoded) <= bound
+
+
+@pytest.mark.parametrize("codec", CODECS)
+@pytest.mark.parametrize("n", [1, 2, 40])
+def test_a_sequences_first_token_is_stored_exactly_whatever_the_codec(codec, n):
+    """The attention sink at position 0 is kept unquantised; the tokens after it are quantised as ever."""
+    original = fragment(n, layers=3, base_position=0)
+    blob = encode_fragment(original, CodecSpec(codec))
+    decoded = decode_fragment(blob, kv_heads=HEADS, head_dim=DIM, num_layers=3)
+    assert decoded.base_position == 0 and decoded.token_ids == original.token_ids
+    quantised = codec in ("int8", "int4")
+    lead = 1 if quantised and n > 1 else 0  # a lone token stays quantised: a blob always has some
+    assert read_header(blob)[1]["exact_lead"] == str(lead)
+    assert ("k_lead" in load_safetensors(blob)) == bool(lead)
+    for exact, restored in zip((*original.keys, *original.values), (*decoded.keys, *decoded.values), strict=True):
+        assert restored.shape == exact.shape
+        if lead:
+            assert torch.equal(restored[:, :, :1], exact[:, :, :1])
+    if quantised and n > 2:  # the rest is quantised: not exact
+        assert not torch.equal(decoded.keys[0][:, :, 1:], original.keys[0][:, :, 1:])
+    elsewhere = encode_fragment(fragment(n, layers=3), CodecSpec(codec))  # at position 700: no sink
+    assert read_header(elsewhere)[1]["exact_lead"] == "0" and "k_lead" not in load_safetensors(elsewhere)
+
+
+def test_a_blob_written_before_exact_leads_were_recorded_still_decodes():
+    blob = encode_fragment(fragment(20, layers=2), CodecSpec("int8"))
+    metadata = read_header(blob)[1]
+    del metadata["exact_lead"]
+    older = reseal(load_safetensors(blob), metadata)
+    assert decode_fragment(older).token_ids == tuple(range(20))
+
+
+@pytest.mark.parametrize("codec", ["int8", "int4"])
+def test_a_tampered_exact_lead_is_caught_despite_a_valid_checksum(codec):
+    blob = encode_fragment(fragment(20, layers=2, base_position=0), CodecSpec(codec))
+    metadata = read_header(blob)[1]
+    tensors = load_safetensors(blob)
+    for lead in ("-1", "20", "21", "x", "2"):
+        with pytest.raises(CorruptFragmentError):
+            decode_fragment(reseal(tensors, {**metadata, "exact_lead": lead}), kv_heads=HEADS, head_dim=DIM)
+    for case in (
+        {k: v for k, v in tensors.items() if k != "v_lead"},
+        {**tensors, "k_lead": tensors["k_lead"].half()},
+        {**tensors, "k_lead": tensors["k_lead"][:1]},  # a layer missing
+        {**tensors, "v_lead": tensors["v_lead"][:, :, :, :8]},
+        {**tensors, "k_lead": tensors["k_lead"][0]},
+    ):
+        with pytest.raises(CorruptFragmentError):
+            decode_fragment(reseal(case, metadata), kv_heads=HEADS, head_dim=DIM, num_layers=2)
 
 
 def test_int8_and_int4_sizes_meet_their_budgets():

@@ -13,6 +13,11 @@ Codecs (per decoder layer, tensors ``[kv_heads, tokens, head_dim]``):
 - ``int4``: symmetric, 15 levels, two per byte; keys in groups of ``group_size`` tokens per
   channel, values in groups of ``group_size`` channels per token, one fp16 scale per group.
 
+In both quantised codecs a sequence's first token (a fragment at ``base_position`` 0: the first
+chunk of a stored conversation) keeps its K/V in fp32 (``k_lead``/``v_lead``, ``exact_lead`` in
+the header): it is the attention sink, which every later token attends to, so its rounding error
+reaches every output (``docs/benchmarks/resume.md``).
+
 Keys are stored post-rotation at ``base_position`` (``rotation = "post"`` in the header), as the
 engine placed them; placing a fragment rotates them by the difference.
 """
@@ -35,6 +40,8 @@ __all__ = ["CODECS", "CodecSpec", "decode_fragment", "encode_fragment"]
 FORMAT = "kvshift-fragment/1"
 _INT8_MAX = 127
 _INT4_MAX = 7
+# positions below this are stored unquantised (the attention sink); one was measured to be enough
+_EXACT_POSITIONS = 1
 
 
 @dataclass(frozen=True)
@@ -72,10 +79,13 @@ def encode_fragment(fragment: Fragment, spec: CodecSpec, metadata: dict[str, str
     # a blob is bytes on the host, whichever device computed the fragment
     keys = torch.cat(fragment.keys).float().cpu()
     values = torch.cat(fragment.values).float().cpu()
+    lead = _exact_lead(spec, fragment.base_position, len(fragment.token_ids))
     tensors = {
         "token_ids": torch.tensor(fragment.token_ids, dtype=torch.int32, device="cpu"),
-        **_encode(keys, values, spec),
+        **_encode(keys[:, :, lead:].contiguous(), values[:, :, lead:].contiguous(), spec),
     }
+    if lead:
+        tensors["k_lead"], tensors["v_lead"] = keys[:, :, :lead].contiguous(), values[:, :, :lead].contiguous()
     header = {
         "format": FORMAT,
         "codec": spec.name,
@@ -85,6 +95,7 @@ def encode_fragment(fragment: Fragment, spec: CodecSpec, metadata: dict[str, str
         "context_digest": fragment.context_digest,
         "num_layers": str(len(fragment.keys)),
         "dtype": str(fragment.keys[0].dtype).removeprefix("torch."),
+        "exact_lead": str(lead),
     }
     clash = header.keys() & extra.keys() | ({CHECKSUM_KEY} & extra.keys())
     if clash:
@@ -121,6 +132,7 @@ def decode_fragment(
         spec = CodecSpec(metadata.get("codec", ""), int(metadata.get("group_size", "")))
         layers = int(metadata["num_layers"])
         base_position = int(metadata["base_position"])
+        lead = int(metadata.get("exact_lead", "0"))  # blobs written before it was recorded have none
         tensors = load_safetensors(bytes(blob))
     except (InvalidInputError, KeyError, ValueError, SafetensorError) as exc:
         raise CorruptFragmentError(f"fragment blob header is unusable: {exc}") from None
@@ -129,14 +141,47 @@ def decode_fragment(
     token_ids = tensors.get("token_ids")
     if token_ids is None or token_ids.dtype != torch.int32 or token_ids.dim() != 1 or token_ids.numel() == 0:
         raise CorruptFragmentError("fragment blob has no valid token ids")
-    expected = (layers, kv_heads, token_ids.numel(), head_dim)
-    keys, values = _decode(tensors, spec, expected, dtype)
+    if not 0 <= lead < token_ids.numel():
+        raise CorruptFragmentError(f"fragment blob keeps {lead} of its {token_ids.numel()} tokens exact")
+    keys, values = _decode(tensors, spec, (layers, kv_heads, token_ids.numel() - lead, head_dim), dtype)
+    if lead:
+        keys, values = _with_lead(tensors, keys, values, dtype)
     return Fragment(
         token_ids=tuple(token_ids.tolist()),
         keys=tuple(layer[None] for layer in keys),
         values=tuple(layer[None] for layer in values),
         base_position=base_position,
         context_digest=metadata.get("context_digest", ""),
+    )
+
+
+def _exact_lead(spec: CodecSpec, base_position: int, tokens: int) -> int:
+    """How many leading tokens a blob keeps unquantised: those at positions below
+    :data:`_EXACT_POSITIONS` in a quantised codec, leaving at least one token quantised."""
+    if spec.name not in ("int8", "int4"):
+        return 0
+    return max(0, min(_EXACT_POSITIONS - base_position, tokens - 1))
+
+
+def _with_lead(
+    tensors: dict[str, torch.Tensor], keys: list[torch.Tensor], values: list[torch.Tensor], dtype: torch.dtype
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The exact leading tokens put back before the decoded ones (each layer ``[heads, tokens, dim]``).
+
+    :raises CorruptFragmentError: they are missing, or their layers, heads or dimension differ."""
+    lead_keys, lead_values = tensors.get("k_lead"), tensors.get("v_lead")
+    for name, tensor in (("k_lead", lead_keys), ("v_lead", lead_values)):
+        if (
+            tensor is None
+            or tensor.dtype != torch.float32
+            or not keys
+            or tuple(tensor.shape) != (len(keys), keys[0].shape[0], tensor.shape[2], keys[0].shape[2])
+        ):
+            raise CorruptFragmentError(f"fragment blob lacks a valid {name!r} tensor")
+    assert lead_keys is not None and lead_values is not None
+    return (
+        [torch.cat([lead.to(dtype), rest], dim=1) for lead, rest in zip(lead_keys, keys, strict=True)],
+        [torch.cat([lead.to(dtype), rest], dim=1) for lead, rest in zip(lead_values, values, strict=True)],
     )
 
 
