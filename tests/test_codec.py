@@ -91,6 +91,8 @@ def test_a_tampered_exact_lead_is_caught_despite_a_valid_checksum(codec):
         {**tensors, "k_lead": tensors["k_lead"][:1]},  # a layer missing
         {**tensors, "v_lead": tensors["v_lead"][:, :, :, :8]},
         {**tensors, "k_lead": tensors["k_lead"][0]},
+        {**tensors, "k_lead": tensors["k_lead"][0, 0]},
+        {**tensors, "v_lead": torch.cat([tensors["v_lead"]] * 2, dim=2)},  # more exact tokens than the header says
     ):
         with pytest.raises(CorruptFragmentError):
             decode_fragment(reseal(case, metadata), kv_heads=HEADS, head_dim=DIM, num_layers=2)

@@ -145,7 +145,7 @@ def decode_fragment(
         raise CorruptFragmentError(f"fragment blob keeps {lead} of its {token_ids.numel()} tokens exact")
     keys, values = _decode(tensors, spec, (layers, kv_heads, token_ids.numel() - lead, head_dim), dtype)
     if lead:
-        keys, values = _with_lead(tensors, keys, values, dtype)
+        keys, values = _with_lead(tensors, lead, keys, values, dtype)
     return Fragment(
         token_ids=tuple(token_ids.tolist()),
         keys=tuple(layer[None] for layer in keys),
@@ -164,24 +164,25 @@ def _exact_lead(spec: CodecSpec, base_position: int, tokens: int) -> int:
 
 
 def _with_lead(
-    tensors: dict[str, torch.Tensor], keys: list[torch.Tensor], values: list[torch.Tensor], dtype: torch.dtype
+    tensors: dict[str, torch.Tensor],
+    lead: int,
+    keys: list[torch.Tensor],
+    values: list[torch.Tensor],
+    dtype: torch.dtype,
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """The exact leading tokens put back before the decoded ones (each layer ``[heads, tokens, dim]``).
+    """The ``lead`` exact tokens put back before the decoded ones (each layer ``[heads, tokens, dim]``).
 
-    :raises CorruptFragmentError: they are missing, or their layers, heads or dimension differ."""
-    lead_keys, lead_values = tensors.get("k_lead"), tensors.get("v_lead")
-    for name, tensor in (("k_lead", lead_keys), ("v_lead", lead_values)):
-        if (
-            tensor is None
-            or tensor.dtype != torch.float32
-            or not keys
-            or tuple(tensor.shape) != (len(keys), keys[0].shape[0], tensor.shape[2], keys[0].shape[2])
-        ):
+    :raises CorruptFragmentError: they are missing, or their count, layers, heads or dimension differ."""
+    shape = (len(keys), keys[0].shape[0], lead, keys[0].shape[2]) if keys else None
+    exact = []
+    for name in ("k_lead", "v_lead"):
+        tensor = tensors.get(name)
+        if tensor is None or tensor.dtype != torch.float32 or tuple(tensor.shape) != shape:
             raise CorruptFragmentError(f"fragment blob lacks a valid {name!r} tensor")
-    assert lead_keys is not None and lead_values is not None
+        exact.append(tensor.to(dtype))
     return (
-        [torch.cat([lead.to(dtype), rest], dim=1) for lead, rest in zip(lead_keys, keys, strict=True)],
-        [torch.cat([lead.to(dtype), rest], dim=1) for lead, rest in zip(lead_values, values, strict=True)],
+        [torch.cat([first, rest], dim=1) for first, rest in zip(exact[0], keys, strict=True)],
+        [torch.cat([first, rest], dim=1) for first, rest in zip(exact[1], values, strict=True)],
     )
 
 
