@@ -58,7 +58,7 @@ from benchdata import locomo_turns, write_report  # noqa: E402
 from fidelity import kl_and_top1  # noqa: E402
 from redis_server import RedisCluster, RedisServer  # noqa: E402
 
-from kvshift_memory import KVShiftEngine, MemoryStore  # noqa: E402
+from kvshift_memory import EngineSettings, KVShiftEngine, MemoryStore  # noqa: E402
 from kvshift_memory.embedding import MiniLMEmbedder  # noqa: E402
 
 RESULTS = HERE / "results"
@@ -148,7 +148,7 @@ def fidelity(engine: KVShiftEngine, turn, open_exact, open_int8) -> dict[str, An
     return out
 
 
-def alternated(turns: int, answer_tokens: int) -> list[dict[str, Any]]:
+def alternated(turns: int, answer_tokens: int, model: str) -> list[dict[str, Any]]:
     """The first ``turns`` messages of LoCoMo's first speaker, told to one agent session whose turns
     alternate between two worker processes over a throwaway Redis Cluster (each worker an engine
     and a store of its own, the store's default chunks and cost model); each turn's report."""
@@ -157,33 +157,13 @@ def alternated(turns: int, answer_tokens: int) -> list[dict[str, Any]]:
     messages = [text for speaker, _, text in lines if speaker == first_speaker][:turns]
     cluster = RedisCluster()
     try:
-        return alternate(cluster.url, messages, "--max-new-tokens", str(answer_tokens))
+        return alternate(cluster.url, messages, "--max-new-tokens", str(answer_tokens), "--model", model)
     finally:
         cluster.stop()
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--sizes", default="2000,4000,8000")
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--model", default="smollm2-135m-instruct", help="a shipped model's name, a folder or hub id")
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--redis-url", default=None, help="default: a throwaway redis-server on 127.0.0.1")
-    parser.add_argument(
-        "--alternate", type=int, default=0, help="turns of one session alternated between two worker processes"
-    )
-    parser.add_argument("--output", default=str(RESULTS / "resume.json"))
-    args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-    turns = alternated(args.alternate, ANSWER_TOKENS) if args.alternate else []
-    for number, report in enumerate(turns, start=1):
-        share = report["reused_tokens"] / report["prompt_tokens"]
-        print(
-            f"turn {number:>2} (worker {2 - number % 2}) | prompt {report['prompt_tokens']:>5} | from cache "
-            f"{report['reused_tokens']:>5} ({share:.0%}), of which restored {report['restored_tokens']:>5} "
-            f"| prefilled {report['prefilled_tokens']:>4} (message {report['message_tokens']:>3})",
-            flush=True,
-        )
+def restart_rows(args: argparse.Namespace, sizes: list[int]) -> list[dict[str, Any]]:
+    """The restart arms (disk, Redis, recompute) and the fidelity checks, a row per conversation size."""
     engine = KVShiftEngine.from_pretrained(args.model)
     embedder = MiniLMEmbedder()
     rows = []
@@ -200,7 +180,7 @@ def main() -> None:
                 return lambda: MemoryStore(folder / codec, embedder=embedder, index_url=":memory:", codec=codec)
             return lambda: MemoryStore(kv_url=redis_url, index_url=":memory:", embedder=embedder, codec=codec)
 
-        for size in (int(s) for s in args.sizes.split(",") if s):
+        for size in sizes:
             saids = []
             for kind, codec in (("disk", "int8"), ("redis", "int8"), ("disk", "fp32")):
                 store = restarted(engine, opener(kind, codec))
@@ -240,12 +220,39 @@ def main() -> None:
                 f"| int8 KL {row['int8_kl']:.2e} top-1 {row['int8_top1']:.3f}",
                 flush=True,
             )
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sizes", default="2000,4000,8000")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--model", default="smollm2-135m-instruct", help="a shipped model's name, a folder or hub id")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--redis-url", default=None, help="default: a throwaway redis-server on 127.0.0.1")
+    parser.add_argument(
+        "--alternate", type=int, default=0, help="turns of one session alternated between two worker processes"
+    )
+    parser.add_argument("--output", default=str(RESULTS / "resume.json"))
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    turns = alternated(args.alternate, ANSWER_TOKENS, args.model) if args.alternate else []
+    for number, report in enumerate(turns, start=1):
+        share = report["reused_tokens"] / report["prompt_tokens"]
+        print(
+            f"turn {number:>2} (worker {2 - number % 2}) | prompt {report['prompt_tokens']:>5} | from cache "
+            f"{report['reused_tokens']:>5} ({share:.0%}), of which restored {report['restored_tokens']:>5} "
+            f"| prefilled {report['prefilled_tokens']:>4} (message {report['message_tokens']:>3})",
+            flush=True,
+        )
+    sizes = [int(size) for size in args.sizes.split(",") if size]
+    rows = restart_rows(args, sizes) if sizes else []
     write_report(
         Path(args.output),
         {
             "command": "python benchmarks/resume.py " + " ".join(sys.argv[1:]),
             "model": args.model,
-            "chunk_tokens": engine.settings.chunk_tokens,
+            "chunk_tokens": EngineSettings().chunk_tokens,
             "threads": args.threads,
             "repeats": args.repeats,
             "machine": platform.processor() or platform.machine(),

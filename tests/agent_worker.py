@@ -1,6 +1,7 @@
 """A worker process behind a load balancer: one agent session over a shared store, a turn per request.
 
-    python agent_worker.py KV_URL [--chunk-tokens N] [--max-new-tokens N] [--always-restore] [--threads N]
+    python agent_worker.py KV_URL [--model NAME] [--chunk-tokens N] [--max-new-tokens N]
+                                  [--always-restore] [--threads N]
 
 Prints "ready" once its engine is loaded; then for each line on stdin (a user message) its
 ``AgentMemory(user_id="alice", session_id="trip")`` answers it (after reading the window the other
@@ -58,7 +59,8 @@ def alternate(kv_url: str, messages: Sequence[str], *options: str) -> list[dict]
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("kv_url")
-    parser.add_argument("--chunk-tokens", type=int, default=256)
+    parser.add_argument("--model", default=None, help="default: the bundled model")
+    parser.add_argument("--chunk-tokens", type=int, default=None, help="default: the engine's")
     parser.add_argument("--max-new-tokens", type=int, default=12)
     parser.add_argument("--threads", type=int, default=1, help="two workers share the machine's cores")
     parser.add_argument(
@@ -68,7 +70,8 @@ def main() -> None:
     )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    engine = KVShiftEngine.from_pretrained(chunk_tokens=args.chunk_tokens)
+    chunks = {} if args.chunk_tokens is None else {"chunk_tokens": args.chunk_tokens}
+    engine = KVShiftEngine.from_pretrained(args.model, **chunks)
     if args.always_restore:
         engine.costs.recompute_cheaper = lambda tokens: False
     with MemoryStore(kv_url=args.kv_url, index_url=":memory:", embedder=HashEmbedder()) as store:
