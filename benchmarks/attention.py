@@ -28,7 +28,6 @@ Prints a table and writes ``benchmarks/results/attention.json`` (or ``--output``
 from __future__ import annotations
 
 import argparse
-import platform
 import sys
 import time
 from dataclasses import replace
@@ -192,13 +191,11 @@ def main() -> None:
     write_report(
         args.output,
         {
-            "command": " ".join(sys.argv),
             "model": "SmolLM2-135M-Instruct (bundled), float32",
             "threads": args.threads,
             "seed": args.seed,
             "recompute_ratio": engine.settings.recompute_ratio,
             "recompute_window": engine.settings.recompute_window,
-            "machine": platform.machine(),
             "elapsed_s": round(time.perf_counter() - started, 1),
             "summary": summary,
             "per_instance": per_instance,

@@ -14,8 +14,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import platform
 import random
 import subprocess
+import sys
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -23,6 +25,7 @@ from pathlib import Path
 __all__ = [
     "Instance",
     "build_instances",
+    "command_line",
     "locomo_dir",
     "locomo_turns",
     "memorybank_instances",
@@ -200,9 +203,29 @@ def locomo_turns(limit: int) -> list[str]:
     return turns[:limit]
 
 
+def command_line() -> str:
+    """The command that is running, as it would be typed from the repository's root."""
+    script = Path(sys.argv[0]).resolve()
+    root = Path(__file__).resolve().parents[1]
+    shown = script.relative_to(root) if script.is_relative_to(root) else script
+    return " ".join(["python", str(shown), *sys.argv[1:]])
+
+
+def machine() -> dict[str, object]:
+    """The machine a result was measured on: platform, processor, CPU count, threads and torch."""
+    torch = sys.modules.get("torch")  # read only where the benchmark loaded it: the data locator does not
+    return {
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "cpus": os.cpu_count(),
+        "threads": torch.get_num_threads() if torch is not None else None,
+        "torch": torch.__version__ if torch is not None else None,
+    }
+
+
 def provenance() -> dict[str, object]:
-    """What a result was measured on: the commit, whether the checkout had uncommitted changes
-    (to tracked code; results files excepted), and when (UTC)."""
+    """What a result was measured on: the command, the machine, the commit, whether the checkout had
+    uncommitted changes (to tracked code; results files excepted), and when (UTC)."""
     root = Path(__file__).resolve().parents[1]
 
     def git(*args: str) -> str | None:
@@ -214,6 +237,8 @@ def provenance() -> dict[str, object]:
 
     status = git("status", "--porcelain", "--untracked-files=no", "--", ".", ":!benchmarks/results")
     return {
+        "command": command_line(),
+        "machine": machine(),
         "commit": git("rev-parse", "HEAD"),
         "dirty": None if status is None else bool(status),
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),

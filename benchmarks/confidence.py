@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -140,9 +139,7 @@ def main() -> None:
     write_report(
         Path(args.output),
         {
-            "command": "python benchmarks/confidence.py " + " ".join(sys.argv[1:]),
             "args": vars(args),
-            "machine": {"cpu_threads": args.threads, "platform": platform.platform()},
             "results": results,
         },
     )

@@ -50,7 +50,6 @@ import argparse
 import itertools
 import json
 import math
-import platform
 import random
 import re
 import statistics
@@ -552,13 +551,11 @@ def main() -> None:
             datasets[name] = (memorybank_instances(args.instances, engine.count_tokens, kind, seed=args.seed), False)
 
     report = {
-        "command": " ".join(["python", *sys.argv]),
         "model": f"{args.model or DEFAULT_MODEL} ({type(engine.model).__name__}, {engine.model.dtype})",
         "default_recompute_ratio": default_ratio,
         "recompute_window": engine.settings.recompute_window,
         "threads": args.threads,
         "seed": args.seed,
-        "machine": f"{platform.machine()} {platform.processor() or ''} torch {torch.__version__}",
         "datasets": {},
     }
     for name, (instances, generate) in datasets.items():

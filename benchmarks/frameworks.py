@@ -18,7 +18,6 @@ Prints a table and writes ``benchmarks/results/frameworks.json``.
 from __future__ import annotations
 
 import argparse
-import platform
 import sys
 import tempfile
 import warnings
@@ -143,10 +142,8 @@ def main() -> None:
     handler = _ChatStats()
     get_dispatcher().add_event_handler(handler)
     report: dict[str, Any] = {
-        "command": " ".join(["python", *sys.argv]),
         "model": "SmolLM2-135M-Instruct (bundled, fp32)",
         "threads": 2,
-        "machine": f"{platform.machine()} torch {torch.__version__}",
     }
     with tempfile.TemporaryDirectory() as scratch_name:
         scratch = Path(scratch_name)

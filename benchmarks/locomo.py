@@ -163,7 +163,6 @@ def main() -> None:
     if args.recompute_ratio is not None:
         asking = replace(asking, recompute_ratio=args.recompute_ratio)
     report: dict = {
-        "command": " ".join(["python", *sys.argv]),
         "k": args.k,
         "reuse": args.reuse,
         "recompute_ratio": asking.recompute_ratio,

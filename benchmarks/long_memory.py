@@ -45,7 +45,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import random
 import statistics
 import sys
@@ -333,9 +332,7 @@ def main() -> None:
     write_report(
         Path(args.output),
         {
-            "command": "python benchmarks/long_memory.py " + " ".join(sys.argv[1:]),
             "args": vars(args),
-            "machine": {"cpu_threads": args.threads, "platform": platform.platform()},
             "results": results,
         },
     )

@@ -87,7 +87,6 @@ def main() -> None:
             store.close()
         print(f"{sample['sample_id']}: {len(asked)} questions")
     report = {
-        "command": " ".join(["python", *sys.argv]),
         "k": args.k,
         "questions": len(hits[WEIGHTS[0]]["session"]),
         "archived_share": archived_total / turns_total,

@@ -38,7 +38,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -250,12 +249,10 @@ def main() -> None:
     write_report(
         Path(args.output),
         {
-            "command": "python benchmarks/resume.py " + " ".join(sys.argv[1:]),
             "model": args.model,
             "chunk_tokens": EngineSettings().chunk_tokens,
             "threads": args.threads,
             "repeats": args.repeats,
-            "machine": platform.processor() or platform.machine(),
             "measured_at": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
             "rows": rows,
             "alternated_turns": turns,

@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import platform
 import statistics
 import sys
 import tempfile
@@ -337,7 +336,6 @@ def main() -> None:
             "model": "SmolLM2-135M-Instruct (bundled, fp32)",
             "threads": args.threads,
             "recompute_ratio": engine.settings.recompute_ratio,
-            "machine": f"{platform.machine()} {platform.processor() or ''} torch {torch.__version__}",
         }
     )
     with contextlib.ExitStack() as stack:

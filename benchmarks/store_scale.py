@@ -23,7 +23,6 @@ Prints a table and writes ``benchmarks/results/store_scale.json``.
 from __future__ import annotations
 
 import argparse
-import platform
 import statistics
 import subprocess
 import sys
@@ -126,11 +125,9 @@ def main() -> None:
     write_report(
         args.output,
         {
-            "command": " ".join(["python", *sys.argv]),
             "memories": len(texts),
             "tenants": 1,
             "embedding_s": embed_s,
-            "machine": f"{platform.machine()} {platform.processor() or ''}",
             "repeats": args.repeats,
             **row,
         },

@@ -25,7 +25,6 @@ Prints a table and writes ``benchmarks/results/ttft.json``.
 from __future__ import annotations
 
 import argparse
-import platform
 import statistics
 import sys
 from pathlib import Path
@@ -110,7 +109,6 @@ def main() -> None:
     pool = list(dict.fromkeys(pool))
     conditions = ("none", "prefix", "shift", "blend")
     report = {
-        "command": " ".join(["python", *sys.argv]),
         "model": f"{args.model or DEFAULT_MODEL} ({type(engine.model).__name__}, {engine.model.dtype})",
         "device": str(engine.device),
         "threads": args.threads,
@@ -121,7 +119,6 @@ def main() -> None:
         "keep_freed_memory": engine.settings.keep_freed_memory,
         "decode_tokens_per_s": {},
         "question_tokens": engine.count_tokens(QUESTION),
-        "machine": f"{platform.machine()} {platform.processor() or ''} torch {torch.__version__}",
         "sizes": {},
     }
     print(f"{'memory':>8} {'prompt':>7} " + " ".join(f"{c:>14}" for c in conditions))

@@ -100,7 +100,7 @@ def main() -> None:
         "first_half_median_ttft_blend_s": statistics.median(r["blend"]["ttft_s"] for r in later[: len(later) // 2]),
         "second_half_median_ttft_blend_s": statistics.median(r["blend"]["ttft_s"] for r in later[len(later) // 2 :]),
     }
-    report = {"command": " ".join(["python", *sys.argv]), "summary": summary, "turns": rows}
+    report = {"summary": summary, "turns": rows}
     print(
         f"\nfrom turn 5 on: blend TTFT median {summary['median_ttft_blend_s'] * 1000:.0f} ms "
         f"(first half {summary['first_half_median_ttft_blend_s'] * 1000:.0f}, second half "

@@ -51,7 +51,7 @@ import torch
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from benchdata import data_dir, locomo_dir, write_report  # noqa: E402
+from benchdata import command_line, data_dir, locomo_dir, write_report  # noqa: E402
 
 from kvshift_memory.adapters import FEATURES, WriteBackModel, turn_features  # noqa: E402
 
@@ -231,7 +231,7 @@ def classify(args: argparse.Namespace, report: dict) -> WriteBackModel:
         print(f"  small talk stored: {stored_talk}")
     if args.fit:
         MODEL_FILE.write_text(
-            json.dumps({**vars(model), "features": FEATURES, "fitted_by": report["command"]}, indent=1) + "\n",
+            json.dumps({**vars(model), "features": FEATURES, "fitted_by": command_line()}, indent=1) + "\n",
             encoding="utf-8",
         )
         print(f"wrote {MODEL_FILE}")
@@ -360,7 +360,7 @@ def main() -> None:
     parser.add_argument("--output", type=Path, default=RESULTS / "writeback.json")
     args = parser.parse_args()
     torch.set_num_threads(2)
-    report: dict = {"command": " ".join(["python", *sys.argv])}
+    report: dict = {}
     model = classify(args, report)
     if args.agent:
         run_agent(args, report, model)

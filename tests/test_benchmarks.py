@@ -39,13 +39,18 @@ def test_every_benchmark_script_starts():
     assert done.stdout.count("started") == len(SCRIPTS)
 
 
-def test_a_report_records_commit_dirty_flag_and_date(tmp_path):
+def test_a_report_records_command_machine_commit_dirty_flag_and_date(tmp_path, monkeypatch):
     sys.path.insert(0, str(BENCHMARKS))
     try:
         from benchdata import write_report
     finally:
         sys.path.remove(str(BENCHMARKS))
+    monkeypatch.setattr(sys, "argv", [str(BENCHMARKS / "ttft.py"), "--sizes", "512"])
     write_report(tmp_path / "r.json", {"figure": 1})
-    provenance = json.loads((tmp_path / "r.json").read_text())["provenance"]
+    report = json.loads((tmp_path / "r.json").read_text())
+    provenance = report["provenance"]
+    assert report["figure"] == 1
+    assert provenance["command"] == "python benchmarks/ttft.py --sizes 512"  # as typed from the repository's root
+    assert provenance["machine"]["cpus"] == os.cpu_count() and provenance["machine"]["platform"]
     assert len(provenance["commit"]) == 40 and isinstance(provenance["dirty"], bool)
     assert provenance["date"].endswith("+00:00")
