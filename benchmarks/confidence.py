@@ -39,7 +39,14 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from benchdata import locomo_dir, write_report  # noqa: E402
-from long_memory import ANSWER_TOKENS, MODELS, SYSTEM_PROMPT, questions, session_memories  # noqa: E402
+from long_memory import (  # noqa: E402
+    ANSWER_TOKENS,
+    MODELS,
+    SYSTEM_PROMPT,
+    question_set_parser,
+    questions,
+    session_memories,
+)
 
 from kvshift_memory import KVShiftEngine, MemoryStore  # noqa: E402
 from kvshift_memory.embedding import MiniLMEmbedder  # noqa: E402
@@ -121,28 +128,14 @@ def print_table(results: list[dict]) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument(
-        "--models", default="smollm2,gemma-3-270m", help="shipped models' short names, or model folders / hub ids"
-    )
-    parser.add_argument("--questions", type=int, default=40)
+    parser = question_set_parser(__doc__, 40, RESULTS / "confidence.json")
     parser.add_argument("--thresholds", type=lambda s: [float(t) for t in s.split(",")], default=[0.1, 0.2, 0.4, 0.8])
-    parser.add_argument("--k", type=int, default=3)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--output", default=str(RESULTS / "confidence.json"))
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     embedder = MiniLMEmbedder()
     results = [measure_model(name, args, embedder) for name in args.models.split(",")]
     print_table(results)
-    write_report(
-        Path(args.output),
-        {
-            "args": vars(args),
-            "results": results,
-        },
-    )
+    write_report(Path(args.output), {"args": vars(args), "results": results})
 
 
 if __name__ == "__main__":

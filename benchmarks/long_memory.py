@@ -305,12 +305,22 @@ def print_engine_table(results: list[dict]) -> None:
         )
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def question_set_parser(description: str | None, questions: int, output: Path) -> argparse.ArgumentParser:
+    """The arguments of every benchmark on this question set: models, questions, k, seed, threads, output."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument(
         "--models", default="smollm2,gemma-3-270m", help="shipped models' short names, or model folders / hub ids"
     )
-    parser.add_argument("--questions", type=int, default=12)
+    parser.add_argument("--questions", type=int, default=questions)
+    parser.add_argument("--k", type=int, default=3, help="memories recalled per question")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--output", default=str(output))
+    return parser
+
+
+def main() -> None:
+    parser = question_set_parser(__doc__, 12, RESULTS / "long_memory.json")
     parser.add_argument(
         "--agent-questions", type=int, default=0, help="questions asked of the agents (default: --questions)"
     )
@@ -319,23 +329,13 @@ def main() -> None:
     parser.add_argument(
         "--auto-shifts", action="store_true", help="auto shifts memories on every model (how auto_shifts is chosen)"
     )
-    parser.add_argument("--k", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--output", default=str(RESULTS / "long_memory.json"))
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     embedder = MiniLMEmbedder()
     results = [run_model(name, args, embedder) for name in args.models.split(",")]
     print_table(results)
-    write_report(
-        Path(args.output),
-        {
-            "args": vars(args),
-            "results": results,
-        },
-    )
+    write_report(Path(args.output), {"args": vars(args), "results": results})
 
 
 if __name__ == "__main__":
