@@ -25,7 +25,6 @@ Prints a table and writes ``benchmarks/results/confidence.json``.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -38,14 +37,14 @@ import torch
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from benchdata import locomo_dir, write_report  # noqa: E402
+from benchdata import write_report  # noqa: E402
 from long_memory import (  # noqa: E402
-    ANSWER_TOKENS,
     MODELS,
     SYSTEM_PROMPT,
     question_set_parser,
     questions,
-    session_memories,
+    reference,
+    warm_sessions,
 )
 
 from kvshift_memory import KVShiftEngine, MemoryStore  # noqa: E402
@@ -57,21 +56,16 @@ RESULTS = HERE / "results"
 def measure_model(name: str, args: argparse.Namespace, embedder: MiniLMEmbedder) -> dict:
     """Per question: the blend's top-two margin and its agreement with full recompute at every answer position."""
     engine = KVShiftEngine.from_pretrained(MODELS.get(name, name))
-    samples = {s["sample_id"]: s for s in json.loads((locomo_dir() / "locomo10.json").read_text())}
     asked = questions(args.questions, args.seed)
     rows = []
     with tempfile.TemporaryDirectory() as folder:
         store = MemoryStore(folder, embedder=embedder, index_url=":memory:")
-        for sample_id in sorted({qa["sample_id"] for qa in asked}):
-            for text in session_memories(samples[sample_id]):
-                engine.warm([store.add(text, tenant=sample_id)], tenant=sample_id, lead_fragments=False)
+        warm_sessions(engine, store, asked)
         for index, qa in enumerate(asked):
             user = qa["sample_id"]
             recalled = store.search(qa["question"], tenant=user, k=args.k)
             messages = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": qa["question"]}]
-            reference = engine.generate(messages, recalled, reuse="none", max_new_tokens=ANSWER_TOKENS, tenant=user)
-            answer = reference.token_ids or [min(engine.runner.eos_token_ids)]  # an empty answer: its end
-            full = engine.score(messages, recalled, answer, reuse="none", return_distributions=True, tenant=user)
+            _, answer, full = reference(engine, messages, recalled, user)
             engine.clear_cache(prefixes=True, fragments=False)
             blend = engine.score(messages, recalled, answer, reuse="blend", return_distributions=True, tenant=user)
             assert full.distributions is not None and blend.distributions is not None

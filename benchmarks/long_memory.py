@@ -62,7 +62,14 @@ from benchdata import locomo_dir, write_report  # noqa: E402
 from fidelity import kl_and_top1  # noqa: E402
 from locomo import contains_answer, sessions, turn_text  # noqa: E402
 
-from kvshift_memory import AgentMemory, AgentSettings, KVShiftEngine, MemoryStore  # noqa: E402
+from kvshift_memory import (  # noqa: E402
+    AgentMemory,
+    AgentSettings,
+    GenerationResult,
+    KVShiftEngine,
+    MemoryStore,
+    ScoreResult,
+)
 from kvshift_memory.embedding import MiniLMEmbedder  # noqa: E402
 
 RESULTS = HERE / "results"
@@ -88,6 +95,26 @@ def questions(count: int, seed: int) -> list[dict]:
     return drawn[:count]
 
 
+def warm_sessions(engine: KVShiftEngine, store: MemoryStore, asked: list[dict]) -> None:
+    """Store every session of the conversations these questions come from, each a memory of its own
+    conversation's tenant, and warm its fragment with no system prompt known (as the agent stores it)."""
+    samples = {s["sample_id"]: s for s in json.loads((locomo_dir() / "locomo10.json").read_text())}
+    for sample_id in sorted({qa["sample_id"] for qa in asked}):
+        for text in session_memories(samples[sample_id]):  # one at a time: together they pass the context window
+            engine.warm([store.add(text, tenant=sample_id)], tenant=sample_id, lead_fragments=False)
+
+
+def reference(
+    engine: KVShiftEngine, messages: list[dict], recalled: list, tenant: str
+) -> tuple[GenerationResult, list[int], ScoreResult]:
+    """Full recompute's greedy answer, the tokens to score along it (its end where the answer is empty)
+    and full recompute's next-token distributions along them."""
+    answer = engine.generate(messages, recalled, reuse="none", max_new_tokens=ANSWER_TOKENS, tenant=tenant)
+    continuation = answer.token_ids or [min(engine.runner.eos_token_ids)]
+    full = engine.score(messages, recalled, continuation, reuse="none", return_distributions=True, tenant=tenant)
+    return answer, continuation, full
+
+
 def ttft(engine: KVShiftEngine, messages, memories, tenant: str, reuse: str | None, forget_fragments: bool):
     """One call's TTFT and stats, with the prompt prefixes forgotten first."""
     engine.clear_cache(prefixes=True, fragments=forget_fragments)
@@ -97,14 +124,11 @@ def ttft(engine: KVShiftEngine, messages, memories, tenant: str, reuse: str | No
 
 def run_model(name: str, args, embedder: MiniLMEmbedder) -> dict:
     engine = KVShiftEngine.from_pretrained(MODELS.get(name, name), auto_shifts=True if args.auto_shifts else None)
-    samples = {s["sample_id"]: s for s in json.loads((locomo_dir() / "locomo10.json").read_text())}
     asked = questions(args.questions, args.seed)
     asked_of_agents = questions(args.agent_questions or args.questions, args.seed)
     with tempfile.TemporaryDirectory() as folder:
         store = MemoryStore(folder, embedder=embedder, index_url=":memory:")
-        for sample_id in sorted({qa["sample_id"] for qa in asked + asked_of_agents}):
-            for text in session_memories(samples[sample_id]):  # one at a time: together they pass the context window
-                engine.warm([store.add(text, tenant=sample_id)], tenant=sample_id, lead_fragments=False)
+        warm_sessions(engine, store, asked + asked_of_agents)
         rows = []
         for index, qa in enumerate(asked):
             user = qa["sample_id"]
@@ -119,16 +143,14 @@ def run_model(name: str, args, embedder: MiniLMEmbedder) -> dict:
                 "prompt_tokens": plan.layout.length,
                 "ttft_s": {},
             }
-            reference = engine.generate(messages, recalled, reuse="none", max_new_tokens=ANSWER_TOKENS, tenant=user)
+            none_answer, continuation, full = reference(engine, messages, recalled, user)
             engine.clear_cache(prefixes=True, fragments=False)
             default = engine.generate(messages, recalled, max_new_tokens=ANSWER_TOKENS, tenant=user)
-            row["none_answer"], row["default_answer"] = reference.text, default.text
-            row["none_right"] = contains_answer(reference.text, str(qa["answer"]))
+            row["none_answer"], row["default_answer"] = none_answer.text, default.text
+            row["none_right"] = contains_answer(none_answer.text, str(qa["answer"]))
             row["default_right"] = contains_answer(default.text, str(qa["answer"]))
-            row["greedy_match"] = default.token_ids == reference.token_ids
+            row["greedy_match"] = default.token_ids == none_answer.token_ids
             row["default_memory_reuse"] = default.stats.memory_reuse
-            continuation = reference.token_ids or [min(engine.runner.eos_token_ids)]  # an empty answer: its end
-            full = engine.score(messages, recalled, continuation, reuse="none", return_distributions=True, tenant=user)
             for condition, memories, reuse in (("reorder", recalled[::-1], "none"), ("default", recalled, None)):
                 engine.clear_cache(prefixes=True, fragments=False)
                 scored = engine.score(
@@ -163,10 +185,7 @@ def run_model(name: str, args, embedder: MiniLMEmbedder) -> dict:
             recalled = store.search(qa["question"], tenant=user, k=args.k)
             messages = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": qa["question"]}]
             engine.warm(recalled, messages, tenant=user, lead_fragments=False)
-            continuation = engine.generate(
-                messages, recalled, reuse="none", max_new_tokens=ANSWER_TOKENS, tenant=user
-            ).token_ids
-            full = engine.score(messages, recalled, continuation, reuse="none", return_distributions=True, tenant=user)
+            _, continuation, full = reference(engine, messages, recalled, user)
             engine.clear_cache(prefixes=True, fragments=False)
             scored = engine.score(messages, recalled, continuation, return_distributions=True, tenant=user)
             assert full.distributions is not None and scored.distributions is not None
