@@ -148,12 +148,13 @@ def generate_steps(
             if len(generated) == plan.extra_tokens:
                 break
             slot = n + len(generated) - 1
-            logits = runner.forward(cache, torch.tensor([token], device="cpu"), ForwardStep.span(slot, slot + 1))[-1]
+            logits = runner.decode_one(cache, token, slot)
             filled = slot + 1
         if len(text) > emitted:
             yield text[emitted:]
         elapsed = time.perf_counter() - decode_started
         stats.generated_tokens = len(generated)
+        stats.decode_path = runner.decode_path
         stats.decode_tokens_per_s = (len(generated) - 1) / elapsed if len(generated) > 1 and elapsed > 0 else 0.0
         stats.total_s = time.perf_counter() - started
         result = GenerationResult(text=text, token_ids=generated, stats=stats, finish_reason=finish)

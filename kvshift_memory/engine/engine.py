@@ -23,7 +23,7 @@ from ..deprecation import renamed_keyword
 from ..exceptions import InvalidInputError
 from ..protocols import ChunkStore
 from .decoding import Sampling, generate_steps, score_continuation
-from .fingerprint import model_fingerprint
+from .fingerprint import format_fingerprint, model_fingerprint
 from .grammar import Grammar, GrammarMatcher
 from .loading import load_model, resolve_device, resolve_dtype, shared_key, split_options
 from .options import GenerateOptions
@@ -32,6 +32,7 @@ from .planning import Planner
 from .results import GenerationResult, GenerationStream, ScoreResult
 from .runner import ModelRunner
 from .settings import EngineSettings
+from .weights import check_weight_format
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -69,7 +70,7 @@ class KVShiftEngine:
         self.settings = replace(settings or EngineSettings(), **overrides)
         if self.settings.auto_shifts is None:  # a model nobody measured: the blend's default
             self.settings = replace(self.settings, auto_shifts=True)
-        self.fingerprint = fingerprint or model_fingerprint(model, tokenizer)
+        self.fingerprint = format_fingerprint(fingerprint or model_fingerprint(model, tokenizer), self.settings.weights)
         #: runs the model and holds the K/V it computed (:class:`~.runner.ModelRunner`)
         self.runner = runner = ModelRunner(model, tokenizer, self.fingerprint, self.settings)
         self.model, self.device, self.tokenizer = runner.model, runner.device, tokenizer
@@ -116,9 +117,10 @@ class KVShiftEngine:
         :raises ModelLoadError: files found but not loadable.
         """
         overrides, passed = split_options(
-            name_or_path, settings, kwargs, device, device_map, revision, attn_implementation
+            name_or_path, settings, kwargs, device, dtype, device_map, revision, attn_implementation
         )
-        loaded = load_model(name_or_path, resolve_dtype(dtype), resolve_device(device), **passed)
+        weights = check_weight_format(overrides.get("weights", (settings or EngineSettings()).weights))
+        loaded = load_model(name_or_path, resolve_dtype(dtype), resolve_device(device), weights, **passed)
         with sharing(loaded.weights):
             return cls(loaded.model, loaded.tokenizer, fingerprint=loaded.fingerprint, settings=settings, **overrides)
 

@@ -14,7 +14,7 @@ import torch
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-__all__ = ["model_fingerprint", "weight_sample"]
+__all__ = ["format_fingerprint", "model_fingerprint", "weight_sample"]
 
 
 def weight_sample(tensor: torch.Tensor) -> torch.Tensor:
@@ -47,3 +47,12 @@ def model_fingerprint(model: PreTrainedModel, tokenizer: Any) -> str:
     sha.update(json.dumps(sorted(vocab.items()), ensure_ascii=False).encode())
     sha.update(str(getattr(tokenizer, "chat_template", "")).encode())
     return sha.hexdigest()[:32]
+
+
+def format_fingerprint(base: str, weights: str | None) -> str:
+    """``base`` (a :func:`model_fingerprint` of the float weights) for the model run in the weight
+    format ``weights``: unchanged for the weights as loaded (``None``, ``"fp32"``), else a digest
+    of both, so that K/V computed under one format is never read under another."""
+    if weights in (None, "fp32"):
+        return base
+    return hashlib.sha256(f"{base}|weights={weights}".encode()).hexdigest()[:32]

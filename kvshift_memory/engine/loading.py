@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import logging
 import os
 import shutil
 import tempfile
@@ -28,15 +29,21 @@ import torch
 
 from ..exceptions import InvalidInputError, ModelLoadError, ModelNotFoundError
 from ..shipped import DEFAULT_MODEL, SHIPPED_MODELS, ShippedModel, missing_gguf_requirements, shipped_model
+from .families import text_decoder
 from .fingerprint import model_fingerprint
+from .gguf_blocks import AS_SHIPPED_FILE, load_matrices, read_gguf_matrices, save_matrices, shipped_matrices
+from .native import kernels
 from .settings import EngineSettings
+from .weights import QuantizedMatrix, quantize_model
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
 __all__ = [
     "LoadedModel",
+    "as_shipped_matrices",
     "bundled_gguf_path",
+    "default_weights",
     "converted_model_folder",
     "split_options",
     "kvshift_home",
@@ -46,6 +53,8 @@ __all__ = [
     "shared_key",
     "shipped_model_folder",
 ]
+
+log = logging.getLogger("kvshift_memory")
 
 _COMPLETE_MARK = "kvshift-conversion.json"
 # what a conversion folder holds changed (2: the added tokens in tokenizer_config.json): a new
@@ -141,7 +150,7 @@ def _gguf_parsed_once() -> Iterator[None]:
     readers: dict[tuple[str, str], Any] = {}
 
     def read_once(path: str | os.PathLike[str], mode: Literal["r", "r+", "c"] = "r") -> Any:
-        key = (os.fspath(path), mode)
+        key = (os.path.realpath(os.fspath(path)), mode)
         if key not in readers:
             readers[key] = original(path, mode)
         return readers[key]
@@ -156,6 +165,7 @@ def _gguf_parsed_once() -> Iterator[None]:
 
 def _convert_gguf(shipped: ShippedModel, target: Path) -> None:
     """Dequantise the model's GGUF file into a safetensors folder at ``target``, atomically."""
+    import gguf as gguf_module
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     missing = missing_gguf_requirements()
@@ -174,6 +184,7 @@ def _convert_gguf(shipped: ShippedModel, target: Path) -> None:
             tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
             # typed loosely: the quantiser record below is set on attributes the stubs do not declare
             model: Any = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+            matrices = _blocks_of(lambda: gguf_module.GGUFReader(gguf), model)
         # transformers refuses to save a model it believes GGUF-quantised; the weights are already
         # dequantised to fp32, so dropping the quantiser's record is all it takes.
         model.hf_quantizer = None
@@ -181,6 +192,8 @@ def _convert_gguf(shipped: ShippedModel, target: Path) -> None:
         model.quantization_method = None
         if hasattr(model.config, "quantization_config"):
             del model.config.quantization_config
+        if matrices is not None:
+            save_matrices(work / AS_SHIPPED_FILE, matrices)
         model.save_pretrained(work)
         tokenizer.save_pretrained(work)
         _record_added_tokens(work, tokenizer)
@@ -199,6 +212,17 @@ def _convert_gguf(shipped: ShippedModel, target: Path) -> None:
     except BaseException:
         shutil.rmtree(work, ignore_errors=True)
         raise
+
+
+def _blocks_of(reader: Any, model: Any) -> dict[str, QuantizedMatrix] | None:
+    """The GGUF blocks for ``weights="as-shipped"``, read while the conversion has the file parsed
+    (``reader()`` returns that reader); ``None`` if they could not be read, in which case the first
+    as-shipped load reads them again and says why it cannot."""
+    try:
+        return shipped_matrices(read_gguf_matrices(reader(), model), model)
+    except (ValueError, KeyError, OSError) as exc:
+        log.warning("a shipped model's GGUF blocks were not kept beside its conversion: %s", exc)
+        return None
 
 
 def _record_added_tokens(folder: Path, tokenizer: Any) -> None:
@@ -265,6 +289,7 @@ def load_model(
     name_or_path: str | os.PathLike | None,
     dtype: torch.dtype | str,
     device: torch.device | None = None,
+    weights: str | None = None,
     **hf_kwargs: Any,
 ) -> LoadedModel:
     """Load a causal LM and its tokenizer: a shipped model by name, a local folder, or a hub id
@@ -273,8 +298,11 @@ def load_model(
 
     :param name_or_path: ``None`` for the default shipped model; a name of :data:`SHIPPED_MODELS`.
     :param device: where the weights go (else where ``hf_kwargs["device_map"]`` puts them, or the CPU).
+    :param weights: ``"as-shipped"`` puts a shipped model's linear layers in its GGUF blocks'
+        format (:mod:`.gguf_blocks`); other formats are applied by the engine.
     :param hf_kwargs: passed to transformers' ``from_pretrained`` (``revision``,
         ``attn_implementation``, ``device_map``, ``trust_remote_code``…).
+    :raises InvalidInputError: ``"as-shipped"`` for a model that is not a shipped one.
     :raises ModelNotFoundError: nothing loadable at ``name_or_path``; for a shipped model, the
         message gives the install command.
     :raises ModelLoadError: the files are there but transformers could not load them.
@@ -299,9 +327,37 @@ def load_model(
     except (ValueError, RuntimeError, KeyError, TypeError) as exc:
         raise ModelLoadError(f"could not load {str(source)!r}: {exc}") from exc
     model.eval()
-    return LoadedModel(
-        model, tokenizer, str(source), model_fingerprint(model, tokenizer), _weights_identity(source, dtype, hf_kwargs)
-    )
+    fingerprint = model_fingerprint(model, tokenizer)  # of the float weights: the engine adds the format
+    if weights == "as-shipped":
+        if shipped is None or not isinstance(source, Path):
+            raise InvalidInputError(
+                f"weights='as-shipped' keeps a shipped model's GGUF blocks ({', '.join(SHIPPED_MODELS)}); "
+                "for another model ask for 'int4' or 'int8'"
+            )
+        quantize_model(model, text_decoder(model), "as-shipped", as_shipped_matrices(shipped, source, model))
+    identity = _weights_identity(source, dtype, hf_kwargs)
+    return LoadedModel(model, tokenizer, str(source), fingerprint, None if identity is None else (*identity, weights))
+
+
+def as_shipped_matrices(shipped: ShippedModel, folder: Path, model: Any) -> dict[str, QuantizedMatrix]:
+    """A shipped model's GGUF blocks as weight matrices: read from its conversion folder, or, for
+    a folder converted before it held them, from its GGUF file once and written there.
+
+    :raises ModelLoadError: the file there is not one the engine wrote.
+    """
+    path = folder / AS_SHIPPED_FILE
+    if path.exists():
+        return load_matrices(path)
+    import gguf
+
+    try:
+        with tempfile.TemporaryDirectory(dir=folder.parent) as scratch:
+            joined = shipped.write_gguf(Path(scratch) / "joined.gguf")
+            matrices = shipped_matrices(read_gguf_matrices(gguf.GGUFReader(joined), model), model)
+        save_matrices(path, matrices)
+    except (ValueError, KeyError, OSError) as exc:
+        raise ModelLoadError(f"could not read the GGUF blocks of {shipped.name}: {exc}") from exc
+    return matrices
 
 
 def _not_found(source: str | os.PathLike[str], error: OSError) -> str:
@@ -345,13 +401,14 @@ def split_options(
     settings: EngineSettings | None,
     options: dict[str, Any],
     device: object,
+    dtype: object,
     device_map: object,
     revision: str | None,
     attn_implementation: str | None,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """``KVShiftEngine.from_pretrained``'s options, split into :class:`EngineSettings` fields and
-    what transformers' ``from_pretrained`` takes; a shipped model's measured ``auto_shifts`` is
-    added unless the caller chose one.
+    what transformers' ``from_pretrained`` takes; a shipped model's measured ``auto_shifts`` and
+    its :func:`default_weights` are added unless the caller chose them.
 
     :raises InvalidInputError: both ``device`` and ``device_map``.
     """
@@ -374,7 +431,19 @@ def split_options(
         and (settings or EngineSettings()).auto_shifts is None
     ):
         overrides["auto_shifts"] = shipped.auto_shifts  # what was measured on this model
+    if shipped is not None and overrides.get("weights") is None and (settings or EngineSettings()).weights is None:
+        overrides["weights"] = default_weights(device, dtype)
     return overrides, passed
+
+
+def default_weights(device: object, dtype: object) -> str | None:
+    """A shipped model's weight format when the caller names none: its GGUF blocks as they are
+    (the fastest measured, ``docs/benchmarks/decode.md``) for float32 on the CPU where the kernels
+    build; else ``None``, the float weights as loaded."""
+    on_cpu = device is None or torch.device(device).type == "cpu"  # type: ignore[arg-type]
+    if on_cpu and dtype in ("auto", "float32", torch.float32) and kernels() is not None:
+        return "as-shipped"
+    return None
 
 
 def shared_key(

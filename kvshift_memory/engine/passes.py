@@ -51,6 +51,13 @@ class ModelPasses(Protocol):
         self, cache: ShiftCache, ids: torch.Tensor, start: int, end: int, logits: Literal["none"]
     ) -> None: ...
 
+    def decode_one(self, cache: ShiftCache, token: int, slot: int) -> torch.Tensor:
+        """The logits after ``token`` at ``slot``, its K/V written to ``cache``."""
+
+    @property
+    def decode_path(self) -> str:
+        """What runs a decoding step: ``"native"``, ``"torch"`` or ``"transformers"``."""
+
     def place(self, cache: ShiftCache, spans: list[FragmentSpan], fragments: list[Fragment]) -> None:
         """Copy the fragments into their spans, RoPE-shifted to where they land."""
 

@@ -53,6 +53,10 @@ class ReuseStats:
         and repaired), ``"recomputed"``, ``"missed"``, ``"rejected"`` (computed with the question),
         or ``"text"`` (read as text: not in the blend's run, or a mode without one).
     :param recompute_ratio: the share of fragment tokens the blend was asked to recompute.
+    :param decode_path: what ran the decoding steps after the first token: ``"native"`` (the
+        engine's one-token step in its own kernels), ``"torch"`` (that step in PyTorch's operators:
+        no C compiler, or not the CPU) or ``"transformers"`` (transformers' forward: a family
+        without a step, or ``one_token_step=False``).
     :param fallback_reason: why the requested reuse was not applied, when it was not.
     """
 
@@ -76,6 +80,7 @@ class ReuseStats:
     generated_tokens: int = 0
     decode_tokens_per_s: float = 0.0
     total_s: float = 0.0
+    decode_path: str = ""
     fallback_reason: str | None = None
     memory_reuse: list[str] = field(default_factory=list)
 

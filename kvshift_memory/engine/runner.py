@@ -24,6 +24,7 @@ from .decoding import eos_ids
 from .families import PositionScheme, position_scheme, text_decoder
 from .fragments import FragmentCache
 from .grammar import grammar_tokenizer
+from .native import kernels
 from .packing import pack_linear_layers
 from .passes import Logits
 from .planning import PreparedPrompt, PromptPlan
@@ -31,11 +32,30 @@ from .prefix_cache import PrefixCache
 from .prompt import FragmentSpan, PromptLayout, TokenMemo, common_prefix
 from .results import ReuseStats
 from .settings import EngineSettings
+from .stepping import OneTokenStep, one_token_step
+from .weights import QuantizedEmbedding, QuantizedLinear, apply_weight_format
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
 __all__ = ["ModelRunner"]
+
+
+def _device_of(embeddings: torch.nn.Module) -> torch.device:
+    if isinstance(embeddings, QuantizedEmbedding):
+        return embeddings.matrix.device
+    weight = embeddings.weight
+    assert isinstance(weight, torch.Tensor)
+    return weight.device
+
+
+def _rows_of(head: torch.nn.Module) -> int:
+    """The output head's rows: the vocabulary it scores."""
+    if isinstance(head, QuantizedLinear):
+        return head.out_features
+    weight = head.weight
+    assert isinstance(weight, torch.Tensor)
+    return int(weight.shape[0])
 
 
 class ModelRunner:
@@ -54,19 +74,24 @@ class ModelRunner:
         self.model = model.eval()
         self.model.set_attn_implementation(ATTENTION_NAME)
         #: where the model runs (its input embeddings' device): every tensor it is given goes there
-        embeddings = model.get_input_embeddings()
-        assert isinstance(embeddings.weight, torch.Tensor)
-        self.device: torch.device = embeddings.weight.device
+        self.device: torch.device = _device_of(model.get_input_embeddings())
         self.tokenizer = tokenizer
         #: the tokenisation memo (per tenant), which also reads this engine's replies back as their ids
         self.tokens = TokenMemo(tokenizer)
+        self._decoder = text_decoder(model)  # the decoder alone, for passes that need no logits
+        #: the weight format the model runs in (``settings.weights``, or its dtype's name when unset)
+        self.weights: str = apply_weight_format(model, self._decoder, settings.weights)
         #: how many linear layers were packed for oneDNN (0: left as loaded)
         self.packed_layers = pack_linear_layers(self.model) if settings.pack_weights else 0
+        step = one_token_step(model, self._decoder) if settings.one_token_step else "one_token_step=False"
+        #: the one-token step decoding runs (``None``: transformers' forward, for :attr:`step_reason`)
+        self.step: OneTokenStep | None = step if isinstance(step, OneTokenStep) else None
+        self.step_reason: str | None = step if isinstance(step, str) else None
         self.position_scheme: PositionScheme = position_scheme(model)
         self._decoder = text_decoder(model)  # the decoder alone, for passes that need no logits
         config = model.config.get_text_config(decoder=True)
         self.num_layers: int = config.num_hidden_layers
-        self.vocab_size: int = model.get_output_embeddings().weight.shape[0]
+        self.vocab_size: int = _rows_of(model.get_output_embeddings())
         self.max_positions = int(config.max_position_embeddings)
         self.kv_heads = int(getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
         self.head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
@@ -179,6 +204,25 @@ class ModelRunner:
             return self._forward_pass(cache, ids, step, logits)
         finally:
             self.costs.observe_pass(int(ids.numel()), time.perf_counter() - started)
+
+    def decode_one(self, cache: ShiftCache, token: int, slot: int) -> torch.Tensor:
+        """The logits after one more token at ``slot`` (its K/V written to ``cache``), through the
+        one-token step where the model has one, else a forward pass."""
+        if self.step is None:
+            return self.forward(cache, torch.tensor([token], device="cpu"), ForwardStep.span(slot, slot + 1))[-1]
+        started = time.perf_counter()
+        try:
+            return self.step(cache, token, slot)
+        finally:
+            self.costs.observe_pass(1, time.perf_counter() - started)
+
+    @property
+    def decode_path(self) -> str:
+        """``"native"`` (the one-token step in the engine's kernels), ``"torch"`` (the step in
+        PyTorch's operators) or ``"transformers"`` (its forward)."""
+        if self.step is None:
+            return "transformers"
+        return "native" if self.device.type == "cpu" and kernels() is not None else "torch"
 
     def _forward_pass(
         self, cache: ShiftCache, ids: torch.Tensor, step: ForwardStep, logits: Logits

@@ -7,6 +7,7 @@ from importlib import resources
 
 from .. import inputs
 from ..exceptions import InvalidInputError
+from .weights import check_weight_format
 
 __all__ = ["EngineSettings", "builtin_encode_context"]
 
@@ -65,6 +66,16 @@ class EngineSettings:
         1 GiB of free heap) mapped for reuse, so that each generation's new cache does not fault
         its pages in again (``docs/benchmarks/ttft.md``). It is
         process-wide, as choosing jemalloc is; ``False`` leaves malloc as it was.
+    :param weights: how the model's linear layers hold their weights (:mod:`~kvshift_memory.engine.weights`):
+        ``"as-shipped"`` (a shipped model's GGUF blocks, 4- and 8-bit, the very values of its
+        float32 conversion), ``"int4"`` or ``"int8"`` (quantized here, per group of 32), ``"fp32"``
+        or ``"bf16"``. ``None``: a shipped model loaded by name on the CPU takes ``"as-shipped"``,
+        the fastest measured (``docs/benchmarks/decode.md``); any other model keeps the weights it
+        was loaded with. The format is part of the engine's fingerprint: K/V computed under one is
+        never read under another.
+    :param one_token_step: decode with the engine's own step (:mod:`~kvshift_memory.engine.stepping`)
+        where the model's family has one, instead of transformers' forward: the same arithmetic
+        without the per-module overhead. ``False`` decodes through transformers (an A/B switch).
     :param pack_weights: replace the model's linear layers by ones whose weights are packed once
         for oneDNN (:mod:`kvshift_memory.engine.packing`; float32 on the CPU only): faster decoding
         and short prefills (``docs/benchmarks/ttft.md``). The packed model's
@@ -84,6 +95,8 @@ class EngineSettings:
     chunk_tokens: int = 256
     fragment_cache_bytes: int = 1 << 30
     keep_freed_memory: bool = True
+    weights: str | None = None
+    one_token_step: bool = True
     pack_weights: bool = True
 
     def __post_init__(self) -> None:
@@ -95,7 +108,8 @@ class EngineSettings:
         inputs.check_positive_int(self.chunk_tokens, "chunk_tokens")
         for name in ("min_recompute_tokens", "prefix_cache_bytes", "fragment_cache_bytes"):
             inputs.check_non_negative_int(getattr(self, name), name)
-        for name in ("match_speakers", "lead_fragments", "keep_freed_memory", "pack_weights"):
+        check_weight_format(self.weights)
+        for name in ("match_speakers", "lead_fragments", "keep_freed_memory", "one_token_step", "pack_weights"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidInputError(f"{name} must be True or False, not {getattr(self, name)!r}")
         if self.auto_shifts is not None and not isinstance(self.auto_shifts, bool):
