@@ -206,7 +206,7 @@ def load_matrices(path: Path) -> dict[str, QuantizedMatrix]:
 
     :raises ModelLoadError: a file that is not one (its shapes and types are checked).
     """
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
 
     try:
         with safe_open(str(path), framework="pt") as handle:
@@ -226,6 +226,6 @@ def load_matrices(path: Path) -> dict[str, QuantizedMatrix]:
                     handle.get_tensor(f"{name}:scale"),
                     offset,
                 )
-    except (OSError, ValueError, KeyError, TypeError) as exc:
+    except (OSError, ValueError, KeyError, TypeError, SafetensorError) as exc:
         raise ModelLoadError(f"could not read {path}: {exc}") from exc
     return matrices

@@ -25,7 +25,7 @@
 #include <immintrin.h>
 #endif
 
-int kv_abi_version(void) { return 7; }
+int kv_abi_version(void) { return 8; }
 
 /* one weight matrix [rows, cols] (y = x W^T); ``kind`` 4 or 8 */
 typedef struct {
@@ -466,8 +466,14 @@ typedef struct {
     int64_t hidden, q_heads, kv_heads, head_dim, intermediate, window, activation, sandwich;
     float eps, scaling;
     const float *input_norm, *attention_norm, *mlp_norm, *mlp_out_norm, *q_norm, *k_norm;
+    const float *qkv_bias, *o_bias, *gate_up_bias, *down_bias; /* each NULL when the layer has none */
     kv_matrix qkv, o, gate_up, down;
 } kv_layer;
+
+static void add_bias(int64_t n, float *y, const float *bias) {
+    if (bias)
+        for (int64_t i = 0; i < n; i++) y[i] += bias[i];
+}
 
 static void rms_norm(int64_t n, const float *x, const float *weight, float eps, float *out) {
     float squares = 0.0f;
@@ -503,6 +509,7 @@ void kv_layer_step(const kv_layer *L, float *hidden, float *keys, float *values,
 
     rms_norm(n, hidden, L->input_norm, L->eps, normed);
     matvec(&L->qkv, normed, qkv);
+    add_bias(q_size + 2 * kv_size, qkv, L->qkv_bias);
     float *q = qkv, *k = qkv + q_size, *v = qkv + q_size + kv_size;
     if (L->q_norm) {
         for (int64_t h = 0; h < L->q_heads; h++) rms_norm(d, q + h * d, L->q_norm, L->eps, q + h * d);
@@ -517,14 +524,17 @@ void kv_layer_step(const kv_layer *L, float *hidden, float *keys, float *values,
     const int64_t lo = L->window > 0 && slot + 1 > L->window ? slot + 1 - L->window : 0;
     attend_one(L->q_heads, L->kv_heads, d, capacity * d, q, keys, values, lo, slot + 1, L->scaling, attended);
     matvec(&L->o, attended, out);
+    add_bias(n, out, L->o_bias);
     if (L->sandwich) rms_norm(n, out, L->attention_norm, L->eps, out);
     for (int64_t i = 0; i < n; i++) hidden[i] += out[i];
 
     rms_norm(n, hidden, L->mlp_norm, L->eps, normed);
     matvec(&L->gate_up, normed, gate_up);
+    add_bias(2 * L->intermediate, gate_up, L->gate_up_bias);
     for (int64_t i = 0; i < L->intermediate; i++)
         gate_up[i] = activate(gate_up[i], L->activation) * gate_up[L->intermediate + i];
     matvec(&L->down, gate_up, out);
+    add_bias(n, out, L->down_bias);
     if (L->sandwich) rms_norm(n, out, L->mlp_out_norm, L->eps, out);
     for (int64_t i = 0; i < n; i++) hidden[i] += out[i];
 

@@ -37,7 +37,7 @@ __all__ = ["Layer", "Matrix", "NativeKernels", "kernels", "native_status"]
 
 log = logging.getLogger("kvshift_memory")
 
-_ABI_VERSION = 7
+_ABI_VERSION = 8
 _COMPILE_TIMEOUT_S = 120.0
 # a thread that finds another building waits this long, then runs PyTorch's operators for now
 _BUILD_WAIT_S = 3 * _COMPILE_TIMEOUT_S + 30.0
@@ -79,6 +79,7 @@ class Layer(ctypes.Structure):
         ("eps", ctypes.c_float),
         ("scaling", ctypes.c_float),
         *((name, _P) for name in ("input_norm", "attention_norm", "mlp_norm", "mlp_out_norm", "q_norm", "k_norm")),
+        *((name, _P) for name in ("qkv_bias", "o_bias", "gate_up_bias", "down_bias")),
         *((name, Matrix) for name in ("qkv", "o", "gate_up", "down")),
     ]
 

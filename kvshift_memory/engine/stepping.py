@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from .native import Layer, kernels
-from .weights import QuantizedLinear, QuantizedMatrix, stack_projections
+from .weights import QuantizedLinear, StackedProjections, stack_projections
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -43,6 +43,10 @@ STEP_FAMILIES = frozenset({"llama", "mistral", "qwen2", "qwen3", "gemma3_text"})
 _SANDWICH = frozenset({"gemma3_text"})  # norms after attention and around the MLP
 # the activations the kernels' layer step computes, by config name
 _ACTIVATIONS = {"silu": 0, "gelu_pytorch_tanh": 1}
+
+
+def _pointer(tensor: torch.Tensor | None) -> int | None:
+    return None if tensor is None else tensor.data_ptr()
 
 
 def _rms_norm_weight(norm: torch.nn.Module, gemma: bool) -> tuple[torch.Tensor, float] | None:
@@ -67,10 +71,10 @@ class _Layer:
     mlp_out_norm: torch.nn.Module | None
     q_norm: torch.nn.Module | None
     k_norm: torch.nn.Module | None
-    qkv: QuantizedMatrix | None
+    qkv: StackedProjections | None
     projections: tuple[torch.nn.Module, torch.nn.Module, torch.nn.Module]
     o_proj: torch.nn.Module
-    gate_up: QuantizedMatrix | None
+    gate_up: StackedProjections | None
     gate_proj: torch.nn.Module
     up_proj: torch.nn.Module
     down_proj: torch.nn.Module
@@ -138,14 +142,12 @@ class OneTokenStep:
 
     def _native_layer(self, layer: _Layer, config: Any, activation: int) -> None:
         """Fill ``layer.native`` where the whole layer fits the kernels' layer step: quantized
-        projections (q, k, v and gate, up stacked), RMS norms of one epsilon, no biases."""
+        projections (q, k, v and gate, up stacked), RMS norms of one epsilon."""
         sandwich = self.family in _SANDWICH
         o_proj, down_proj = layer.o_proj, layer.down_proj
         if layer.qkv is None or layer.gate_up is None:
             return
         if not (type(o_proj) is QuantizedLinear and type(down_proj) is QuantizedLinear):
-            return
-        if o_proj.bias is not None or down_proj.bias is not None:
             return
         norms = [layer.input_norm, layer.attention_norm, layer.mlp_norm, layer.mlp_out_norm, layer.q_norm, layer.k_norm]
         weights: list[torch.Tensor | None] = []
@@ -168,16 +170,17 @@ class OneTokenStep:
             self.q_heads,
             self.kv_heads,
             self.head_dim,
-            layer.gate_up.rows // 2,
+            layer.gate_up.matrix.rows // 2,
             layer.window or 0,
             activation,
             int(sandwich),
             epsilons.pop(),
             layer.scaling,
             *pointers,
-            layer.qkv.native,
+            *(_pointer(bias) for bias in (layer.qkv.bias, o_proj.bias, layer.gate_up.bias, down_proj.bias)),
+            layer.qkv.matrix.native,
             o_proj.matrix.native,
-            layer.gate_up.native,
+            layer.gate_up.matrix.native,
             down_proj.matrix.native,
         )
         layer.held = held
@@ -236,7 +239,7 @@ class OneTokenStep:
         for index, layer in enumerate(self.layers):
             normed = layer.input_norm(hidden)
             if layer.qkv is not None:
-                qkv = layer.qkv.matmul(normed)
+                qkv = layer.qkv(normed)
                 q, k, v = qkv[:, :q_size], qkv[:, q_size : q_size + kv_size], qkv[:, q_size + kv_size :]
             else:
                 q, k, v = (projection(normed) for projection in layer.projections)
@@ -258,7 +261,7 @@ class OneTokenStep:
             hidden = hidden + out
             normed = layer.mlp_norm(hidden)
             if layer.gate_up is not None:
-                gate_up = layer.gate_up.matmul(normed)
+                gate_up = layer.gate_up(normed)
                 gate, up = gate_up[:, : gate_up.shape[1] // 2], gate_up[:, gate_up.shape[1] // 2 :]
             else:
                 gate, up = layer.gate_proj(normed), layer.up_proj(normed)

@@ -38,6 +38,7 @@ __all__ = [
     "QuantizedEmbedding",
     "QuantizedLinear",
     "QuantizedMatrix",
+    "StackedProjections",
     "WEIGHT_FORMATS",
     "WeightFormat",
     "apply_weight_format",
@@ -135,6 +136,13 @@ class QuantizedMatrix:
             raise ModelLoadError(f"not a {self.kind} weight matrix: {', '.join(problems)}")
         if not all(t.is_contiguous() for t in self.tensors()):
             raise ModelLoadError("a quantized weight matrix's tensors must be contiguous")
+
+    def __getstate__(self) -> dict:
+        # the kernels' view points into these tensors: a copy builds its own
+        return {key: value for key, value in self.__dict__.items() if key != "native"}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
 
     @functools.cached_property
     def native(self) -> Matrix:
@@ -313,6 +321,9 @@ def resident_bytes(model: torch.nn.Module) -> int:
 
     def count(tensors: Iterable[torch.Tensor]) -> None:
         for tensor in tensors:
+            if tensor.is_mkldnn:  # oneDNN's packed layout has no storage to share
+                seen[id(tensor)] = tensor.numel() * tensor.element_size()
+                continue
             storage = tensor.untyped_storage()
             seen[storage.data_ptr()] = max(seen.get(storage.data_ptr(), 0), storage.nbytes())
 
@@ -324,7 +335,7 @@ def resident_bytes(model: torch.nn.Module) -> int:
             count(matrix.tensors())
         packed = getattr(module, "weight", None)
         if isinstance(packed, torch.Tensor) and packed.is_mkldnn:
-            seen[id(packed)] = packed.numel() * packed.element_size()
+            count([packed])
     return sum(seen.values())
 
 
@@ -384,12 +395,25 @@ def quantize_model(
     return converted
 
 
-def stack_projections(layers: list[torch.nn.Module]) -> QuantizedMatrix | None:
+@dataclass(frozen=True, eq=False)
+class StackedProjections:
+    """Several projections of one input in one matrix (:func:`stack_projections`), with their
+    biases one after another (``None`` when none has one)."""
+
+    matrix: QuantizedMatrix
+    bias: torch.Tensor | None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.matrix.matmul(x)
+        return out if self.bias is None else out + self.bias
+
+
+def stack_projections(layers: list[torch.nn.Module]) -> StackedProjections | None:
     """One matrix holding the rows of several :class:`QuantizedLinear` that read the same input
     (a layer's q, k and v), which then keep views into it: one kernel call computes all of them,
     in no more memory. ``None`` (nothing changed) when they cannot share one (another kind, group
-    or width, a bias, a layer not quantized)."""
-    if not layers or not all(type(layer) is QuantizedLinear and layer.bias is None for layer in layers):
+    or width, a layer not quantized)."""
+    if not layers or not all(type(layer) is QuantizedLinear for layer in layers):
         return None
     matrices = [layer.matrix for layer in layers]
     if not all(matrices[0].stacks_with(matrix) for matrix in matrices[1:]):
@@ -399,7 +423,11 @@ def stack_projections(layers: list[torch.nn.Module]) -> QuantizedMatrix | None:
     for layer, matrix in zip(layers, matrices, strict=True):
         layer.matrix = stacked.rows_slice(start, start + matrix.rows)
         start += matrix.rows
-    return stacked
+    biases = [layer.bias for layer in layers]
+    if all(bias is None for bias in biases):
+        return StackedProjections(stacked, None)
+    filled = [torch.zeros(m.rows) if bias is None else bias for bias, m in zip(biases, matrices, strict=True)]
+    return StackedProjections(stacked, torch.cat(filled).contiguous())
 
 
 def apply_weight_format(model: torch.nn.Module, decoder: torch.nn.Module, weights: str | None) -> str:
