@@ -55,7 +55,7 @@ def test_the_step_gives_the_forward_passs_logits(tokenizer, family, weights):
     engine = KVShiftEngine(copy.deepcopy(reference.model), tokenizer)
     assert engine.runner.step is not None and reference.runner.step is None
     if weights is not None and kernels() is not None:
-        assert engine.runner.step.native_layers  # every layer in one kernel call
+        assert engine.runner.step.native_model is not None  # the whole token in one kernel call
     ids = torch.tensor(tokenizer(PROMPT)["input_ids"])
     got = _decode_logits(engine, ids, 6, step=True)
     expected = _decode_logits(reference, ids, 6, step=False)
@@ -63,11 +63,11 @@ def test_the_step_gives_the_forward_passs_logits(tokenizer, family, weights):
 
 
 @pytest.mark.skipif(kernels() is None, reason="no C compiler here: the kernels are not built")
-def test_the_kernels_layer_step_and_the_step_in_pytorch_agree(tokenizer):
+def test_the_kernels_model_step_and_the_step_in_pytorch_agree(tokenizer):
     engine = KVShiftEngine(tiny_model(TINY_CONFIGS["gemma3_text"]()), tokenizer, weights="int8")
     ids = torch.tensor(tokenizer(PROMPT)["input_ids"])
     native = _decode_logits(engine, ids, 4, step=True)
-    engine.runner.step.native_layers = False
+    engine.runner.step.native_model = None
     in_torch = _decode_logits(engine, ids, 4, step=True)
     assert (native - in_torch).abs().max() <= 1e-4 * in_torch.abs().max()
 

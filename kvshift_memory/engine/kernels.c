@@ -15,9 +15,12 @@
  * scale * q + offset rounded twice, as gguf-py (and so the float32 conversion) computes it.
  */
 #include <math.h>
+#include <pthread.h>
+#include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -25,7 +28,7 @@
 #include <immintrin.h>
 #endif
 
-int kv_abi_version(void) { return 8; }
+int kv_abi_version(void) { return 10; }
 
 /* one weight matrix [rows, cols] (y = x W^T); ``kind`` 4 or 8 */
 typedef struct {
@@ -269,19 +272,21 @@ static void dot_block(int64_t m, int64_t n, int64_t k, const float *x, const flo
     }
 }
 
-static void matvec(const kv_matrix *w, const float *x, float *y) {
-    const int64_t n = w->rows, blocks = (n + ROWS - 1) / ROWS;
-    float *xsum = NULL;
-    if (w->kind == 4) {
-        const int64_t groups = w->cols / 32;
-        xsum = malloc(sizeof(float) * (size_t)groups);
-        for (int64_t g = 0; g < groups; g++) {
-            float s = 0.0f;
-            for (int i = 0; i < 32; i++) s += x[g * 32 + i];
-            xsum[g] = s;
-        }
+/* the sums of x's groups of 32, which an int4 product's offsets multiply (nothing for int8) */
+static void group_sums(const kv_matrix *w, const float *x, float *xsum) {
+    if (w->kind != 4) return;
+    for (int64_t g = 0; g < w->cols / 32; g++) {
+        float s = 0.0f;
+        for (int i = 0; i < 32; i++) s += x[g * 32 + i];
+        xsum[g] = s;
     }
-#pragma omp parallel for schedule(static)
+}
+
+/* y = W x, the rows shared among the threads of the enclosing parallel region (an orphaned
+ * worksharing loop, ending at a barrier); outside a region, the caller computes them all */
+static void matvec_shared(const kv_matrix *w, const float *x, const float *xsum, float *y) {
+    const int64_t n = w->rows, blocks = (n + ROWS - 1) / ROWS;
+#pragma omp for schedule(static)
     for (int64_t block = 0; block < blocks; block++) {
         const int64_t first = block * ROWS, count = n - first < ROWS ? n - first : ROWS;
         if (w->kind == 4)
@@ -289,12 +294,27 @@ static void matvec(const kv_matrix *w, const float *x, float *y) {
         else
             q8_rows_dot(w, first, count, x, y + first);
     }
-    free(xsum);
+}
+
+/* y = W x, the share of thread ``t`` of ``threads`` (the pool's model step) */
+static void matvec_part(const kv_matrix *w, const float *x, const float *xsum, float *y, int t, int threads) {
+    const int64_t n = w->rows, blocks = (n + ROWS - 1) / ROWS;
+    for (int64_t block = blocks * t / threads; block < blocks * (t + 1) / threads; block++) {
+        const int64_t first = block * ROWS, count = n - first < ROWS ? n - first : ROWS;
+        if (w->kind == 4)
+            q4_rows_dot(w, first, count, x, xsum, y + first);
+        else
+            q8_rows_dot(w, first, count, x, y + first);
+    }
 }
 
 void kv_matmul(const kv_matrix *w, int64_t m, const float *x, float *y) {
     if (m == 1) {
-        matvec(w, x, y);
+        float *xsum = malloc(sizeof(float) * (size_t)(w->cols / 32 + 1));
+        group_sums(w, x, xsum);
+#pragma omp parallel
+        matvec_shared(w, x, xsum, y);
+        free(xsum);
         return;
     }
     const int64_t n = w->rows, k = w->cols;
@@ -412,55 +432,93 @@ static void attend_part(int64_t q_heads, int64_t kv_heads, int64_t dim, int64_t 
     }
 }
 
-static void attend_one(int64_t q_heads, int64_t kv_heads, int64_t dim, int64_t head_stride, const float *q,
-                   const float *keys, const float *values, int64_t lo, int64_t hi, float scaling, float *out) {
-    const int64_t length = hi - lo;
-    int parts = 1;
-#ifdef _OPENMP
-    parts = omp_get_max_threads();
-#endif
-    /* below a few tiles per thread a part costs more to merge than it saves */
-    if (length < (int64_t)parts * 4 * TILE) parts = length / (4 * TILE) > 1 ? (int)(length / (4 * TILE)) : 1;
-    float *maxes = malloc(sizeof(float) * (size_t)(parts * q_heads));
-    float *sums = malloc(sizeof(float) * (size_t)(parts * q_heads));
-    float *accs = malloc(sizeof(float) * (size_t)(parts * q_heads * dim));
-#pragma omp parallel for schedule(static) num_threads(parts)
-    for (int p = 0; p < parts; p++) {
-        const int64_t a = lo + length * p / parts, b = lo + length * (p + 1) / parts;
-        attend_part(q_heads, kv_heads, dim, head_stride, q, keys, values, a, b, scaling, maxes + p * q_heads,
-                    sums + p * q_heads, accs + (int64_t)p * q_heads * dim);
-    }
+/* scratch for attend_shared: a running max, sum and weighted values per head for each part */
+typedef struct {
+    float *maxes, *sums, *accs;
+} attention_parts;
+
+static attention_parts parts_for(int64_t q_heads, int64_t dim, int threads) {
+    attention_parts parts = {malloc(sizeof(float) * (size_t)(threads * q_heads)),
+                             malloc(sizeof(float) * (size_t)(threads * q_heads)),
+                             malloc(sizeof(float) * (size_t)(threads * q_heads * dim))};
+    return parts;
+}
+
+static void free_parts(attention_parts parts) {
+    free(parts.maxes);
+    free(parts.sums);
+    free(parts.accs);
+}
+
+/* how many parts the keys [lo, hi) are split into among ``threads``: fewer for a short range,
+ * where below a few tiles a part costs more to merge than it saves */
+static int attention_parts_for(int64_t length, int threads) {
+    if (length < (int64_t)threads * 4 * TILE) return length / (4 * TILE) > 1 ? (int)(length / (4 * TILE)) : 1;
+    return threads;
+}
+
+static void merge_parts(int64_t q_heads, int64_t dim, int parts, attention_parts scratch, float *out) {
     for (int64_t h = 0; h < q_heads; h++) {
         float top = -INFINITY, total = 0.0f;
-        for (int p = 0; p < parts; p++) top = maxes[p * q_heads + h] > top ? maxes[p * q_heads + h] : top;
+        for (int p = 0; p < parts; p++) top = scratch.maxes[p * q_heads + h] > top ? scratch.maxes[p * q_heads + h] : top;
         float *o = out + h * dim;
         memset(o, 0, sizeof(float) * (size_t)dim);
         for (int p = 0; p < parts; p++) {
-            const float weight = expf(maxes[p * q_heads + h] - top);
-            total += sums[p * q_heads + h] * weight;
-            const float *acc = accs + ((int64_t)p * q_heads + h) * dim;
+            const float weight = expf(scratch.maxes[p * q_heads + h] - top);
+            total += scratch.sums[p * q_heads + h] * weight;
+            const float *acc = scratch.accs + ((int64_t)p * q_heads + h) * dim;
             for (int64_t d = 0; d < dim; d++) o[d] += acc[d] * weight;
         }
         for (int64_t d = 0; d < dim; d++) o[d] /= total;
     }
-    free(maxes);
-    free(sums);
-    free(accs);
+}
+
+/* the keys [lo, hi) shared among the threads of the enclosing region, one part each; one merges */
+static void attend_shared(int64_t q_heads, int64_t kv_heads, int64_t dim, int64_t head_stride, const float *q,
+                          const float *keys, const float *values, int64_t lo, int64_t hi, float scaling,
+                          attention_parts scratch, float *out) {
+    const int64_t length = hi - lo;
+    int threads = 1;
+#ifdef _OPENMP
+    threads = omp_get_num_threads();
+#endif
+    const int parts = attention_parts_for(length, threads);
+#pragma omp for schedule(static)
+    for (int p = 0; p < parts; p++) {
+        const int64_t a = lo + length * p / parts, b = lo + length * (p + 1) / parts;
+        attend_part(q_heads, kv_heads, dim, head_stride, q, keys, values, a, b, scaling, scratch.maxes + p * q_heads,
+                    scratch.sums + p * q_heads, scratch.accs + (int64_t)p * q_heads * dim);
+    }
+#pragma omp single
+    merge_parts(q_heads, dim, parts, scratch, out);
 }
 
 void kv_attend_one(int64_t q_heads, int64_t kv_heads, int64_t dim, int64_t head_stride, const float *q,
                    const float *keys, const float *values, int64_t lo, int64_t hi, float scaling, float *out) {
-    attend_one(q_heads, kv_heads, dim, head_stride, q, keys, values, lo, hi, scaling, out);
+    int threads = 1;
+#ifdef _OPENMP
+    threads = omp_get_max_threads();
+#endif
+    const attention_parts scratch = parts_for(q_heads, dim, threads);
+#pragma omp parallel
+    attend_shared(q_heads, kv_heads, dim, head_stride, q, keys, values, lo, hi, scaling, scratch, out);
+    free_parts(scratch);
 }
 
-/* ---------------------------------------------------------------- one decoder layer, one token
- * What kvshift_memory.engine.stepping does per layer in PyTorch, here in one call: the layer's
- * norms (RMS: ``w * (x * rsqrt(mean(x^2) + eps))``, Gemma's ``1 + w`` given as ``w``), one product for
- * q, k and v, the optional norms of q and k per head, the rotation (``x * cos + roll(x) * signed_sin``,
- * as transformers' rotate_half), the cache write at ``slot``, attention over the slots the layer
- * sees, the output projection, the MLP with gate and up in one product. Layouts: ``sandwich`` 0
- * (Llama: norm, attention, add; norm, MLP, add) or 1 (Gemma 3: norms on the attention output and
- * around the MLP).
+/* ---------------------------------------------------------------- one token through the model
+ * What kvshift_memory.engine.stepping does in PyTorch, here in one call and one parallel region:
+ * the embedding row, then per layer its norms (RMS: ``w * (x * rsqrt(mean(x^2) + eps))``, Gemma's
+ * ``1 + w`` given as ``w``), one product for q, k and v, the optional norms of q and k per head, the
+ * rotation (``x * cos + roll(x) * signed_sin``, as transformers' rotate_half), the cache write at
+ * ``slot``, attention over the slots the layer sees, the output projection, the MLP with gate and
+ * up in one product; then the final norm and the output head. Layouts: ``sandwich`` 0 (Llama:
+ * norm, attention, add; norm, MLP, add) or 1 (Gemma 3: norms on the attention output and around
+ * the MLP).
+ *
+ * One region for the whole token, not one per product: its threads meet at barriers, while a new
+ * region wakes its threads again, and once another thread of the process has run OpenMP work
+ * (a background writer's PyTorch call) libgomp stops spinning between regions and puts its
+ * threads to sleep (a step of SmolLM2-135M went from 12 to 22 ms with one region per product).
  */
 typedef struct {
     int64_t hidden, q_heads, kv_heads, head_dim, intermediate, window, activation, sandwich;
@@ -469,6 +527,14 @@ typedef struct {
     const float *qkv_bias, *o_bias, *gate_up_bias, *down_bias; /* each NULL when the layer has none */
     kv_matrix qkv, o, gate_up, down;
 } kv_layer;
+
+typedef struct {
+    int64_t layers, hidden, vocab;
+    float eps, embed_scale;
+    const kv_layer *layer;
+    kv_matrix embed, head;
+    const float *final_norm;
+} kv_model;
 
 static void add_bias(int64_t n, float *y, const float *bias) {
     if (bias)
@@ -498,49 +564,261 @@ static float activate(float x, int64_t kind) {
     return 0.5f * x * (1.0f + tanhf(inner));
 }
 
-void kv_layer_step(const kv_layer *L, float *hidden, float *keys, float *values, int64_t capacity, int64_t slot,
-                   const float *cos, const float *signed_sin) {
-    const int64_t n = L->hidden, d = L->head_dim, q_size = L->q_heads * d, kv_size = L->kv_heads * d;
-    float *normed = malloc(sizeof(float) * (size_t)n);
-    float *qkv = malloc(sizeof(float) * (size_t)(q_size + 2 * kv_size));
-    float *attended = malloc(sizeof(float) * (size_t)q_size);
-    float *out = malloc(sizeof(float) * (size_t)n);
-    float *gate_up = malloc(sizeof(float) * (size_t)(2 * L->intermediate));
+/* ---------------------------------------------------------------- the model step's threads
+ * A pool of our own rather than OpenMP's: once a second thread of the process has run OpenMP work
+ * (a background writer's PyTorch call, a framework's worker thread), libgomp stops spinning at its
+ * barriers and puts threads to sleep there, and a step with a few hundred barriers took twice as
+ * long (12 to 22 ms for SmolLM2-135M). These threads spin while a step runs and for a short while
+ * after it (the next token comes within a millisecond), then sleep on a condition variable. One
+ * step runs on the pool at a time; a step asked for meanwhile, from another thread, runs on its
+ * caller alone.
+ */
+#define MAX_THREADS 64
+#define IDLE_SPIN_NS 2000000
 
-    rms_norm(n, hidden, L->input_norm, L->eps, normed);
-    matvec(&L->qkv, normed, qkv);
-    add_bias(q_size + 2 * kv_size, qkv, L->qkv_bias);
-    float *q = qkv, *k = qkv + q_size, *v = qkv + q_size + kv_size;
-    if (L->q_norm) {
-        for (int64_t h = 0; h < L->q_heads; h++) rms_norm(d, q + h * d, L->q_norm, L->eps, q + h * d);
-        for (int64_t h = 0; h < L->kv_heads; h++) rms_norm(d, k + h * d, L->k_norm, L->eps, k + h * d);
+typedef void (*pool_job)(void *arg, int thread, int threads);
+
+static struct {
+    pthread_mutex_t lock, busy;
+    pthread_cond_t wake;
+    int workers;
+    atomic_int epoch, running;
+    pool_job job;
+    void *arg;
+    int threads;
+} pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER};
+
+static inline void relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    _mm_pause();
+#elif defined(__aarch64__)
+    __asm__ __volatile__("yield");
+#endif
+}
+
+static void pool_after_fork(void);
+static void pool_register_fork(void) { pthread_atfork(NULL, NULL, pool_after_fork); }
+
+static int64_t now_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
+}
+
+static int worker_epoch[MAX_THREADS];
+
+static void *pool_worker(void *index_pointer) {
+    const int index = (int)(intptr_t)index_pointer;
+    int seen = worker_epoch[index];
+    for (;;) {
+        const int64_t since = now_ns();
+        for (int spins = 0; atomic_load_explicit(&pool.epoch, memory_order_acquire) == seen; spins++) {
+            relax();
+            if ((spins & 1023) == 1023 && now_ns() - since > IDLE_SPIN_NS) {
+                pthread_mutex_lock(&pool.lock);
+                while (atomic_load(&pool.epoch) == seen) pthread_cond_wait(&pool.wake, &pool.lock);
+                pthread_mutex_unlock(&pool.lock);
+            }
+        }
+        seen = atomic_load(&pool.epoch);
+        if (index < pool.threads) pool.job(pool.arg, index, pool.threads);
+        atomic_fetch_sub_explicit(&pool.running, 1, memory_order_release);
     }
-    rotate(L->q_heads, d, q, cos, signed_sin);
-    rotate(L->kv_heads, d, k, cos, signed_sin);
-    for (int64_t h = 0; h < L->kv_heads; h++) {
-        memcpy(keys + (h * capacity + slot) * d, k + h * d, sizeof(float) * (size_t)d);
-        memcpy(values + (h * capacity + slot) * d, v + h * d, sizeof(float) * (size_t)d);
+    return NULL;
+}
+
+/* a forked child has none of its parent's threads: it starts its own when it needs them */
+static void pool_after_fork(void) {
+    pthread_mutex_init(&pool.lock, NULL);
+    pthread_mutex_init(&pool.busy, NULL);
+    pthread_cond_init(&pool.wake, NULL);
+    pool.workers = 0;
+}
+
+/* how many threads a step may use, up to ``wanted``: more than one only when the pool was free
+ * (it is then held until pool_run returns) and its workers could be started */
+static int pool_acquire(int wanted) {
+    if (wanted > MAX_THREADS) wanted = MAX_THREADS;
+    if (wanted <= 1 || pthread_mutex_trylock(&pool.busy) != 0) return 1;
+    static pthread_once_t registered = PTHREAD_ONCE_INIT;
+    pthread_once(&registered, pool_register_fork);
+    while (pool.workers < wanted - 1) {
+        const int index = pool.workers + 1;
+        worker_epoch[index] = atomic_load(&pool.epoch);
+        pthread_t thread;
+        pthread_attr_t attributes;
+        pthread_attr_init(&attributes);
+        pthread_attr_setdetachstate(&attributes, PTHREAD_CREATE_DETACHED);
+        const int failed = pthread_create(&thread, &attributes, pool_worker, (void *)(intptr_t)index);
+        pthread_attr_destroy(&attributes);
+        if (failed) break;
+        pool.workers = index;
     }
-    const int64_t lo = L->window > 0 && slot + 1 > L->window ? slot + 1 - L->window : 0;
-    attend_one(L->q_heads, L->kv_heads, d, capacity * d, q, keys, values, lo, slot + 1, L->scaling, attended);
-    matvec(&L->o, attended, out);
-    add_bias(n, out, L->o_bias);
-    if (L->sandwich) rms_norm(n, out, L->attention_norm, L->eps, out);
-    for (int64_t i = 0; i < n; i++) hidden[i] += out[i];
+    const int threads = wanted < pool.workers + 1 ? wanted : pool.workers + 1;
+    if (threads == 1) pthread_mutex_unlock(&pool.busy);
+    return threads;
+}
 
-    rms_norm(n, hidden, L->mlp_norm, L->eps, normed);
-    matvec(&L->gate_up, normed, gate_up);
-    add_bias(2 * L->intermediate, gate_up, L->gate_up_bias);
-    for (int64_t i = 0; i < L->intermediate; i++)
-        gate_up[i] = activate(gate_up[i], L->activation) * gate_up[L->intermediate + i];
-    matvec(&L->down, gate_up, out);
-    add_bias(n, out, L->down_bias);
-    if (L->sandwich) rms_norm(n, out, L->mlp_out_norm, L->eps, out);
-    for (int64_t i = 0; i < n; i++) hidden[i] += out[i];
+/* ``job`` on ``threads`` threads (the caller is thread 0), as pool_acquire granted them */
+static void pool_run(pool_job job, void *arg, int threads) {
+    if (threads == 1) {
+        job(arg, 0, 1);
+        return;
+    }
+    pool.job = job;
+    pool.arg = arg;
+    pool.threads = threads;
+    atomic_store(&pool.running, pool.workers);
+    pthread_mutex_lock(&pool.lock);
+    atomic_fetch_add_explicit(&pool.epoch, 1, memory_order_release);
+    pthread_cond_broadcast(&pool.wake);
+    pthread_mutex_unlock(&pool.lock);
+    job(arg, 0, threads);
+    while (atomic_load_explicit(&pool.running, memory_order_acquire) > 0) relax();
+    pthread_mutex_unlock(&pool.busy);
+}
 
-    free(normed);
-    free(qkv);
-    free(attended);
-    free(out);
-    free(gate_up);
+typedef struct {
+    atomic_int arrived, phase;
+    int threads;
+} barrier;
+
+static void barrier_wait(barrier *b, int *phase) {
+    *phase = !*phase;
+    if (atomic_fetch_add_explicit(&b->arrived, 1, memory_order_acq_rel) == b->threads - 1) {
+        atomic_store_explicit(&b->arrived, 0, memory_order_relaxed);
+        atomic_store_explicit(&b->phase, *phase, memory_order_release);
+    } else {
+        while (atomic_load_explicit(&b->phase, memory_order_acquire) != *phase) relax();
+    }
+}
+
+typedef struct {
+    const kv_model *M;
+    int64_t token, slot, capacity;
+    float *const *keys, *const *values;
+    const float *const *cos, *const *signed_sin;
+    float *logits, *hidden, *normed, *qkv, *attended, *out, *gate_up, *xsum;
+    attention_parts scratch;
+    barrier sync;
+} step_args;
+
+static void step_job(void *pointer, int t, int threads) {
+    step_args *a = pointer;
+    const kv_model *M = a->M;
+    const int64_t n = M->hidden;
+    int phase = 0;
+#define SYNC() barrier_wait(&a->sync, &phase)
+    if (t == 0) {
+        row_values(&M->embed, a->token, a->hidden);
+        if (M->embed_scale != 1.0f)
+            for (int64_t i = 0; i < n; i++) a->hidden[i] *= M->embed_scale;
+    }
+    for (int64_t index = 0; index < M->layers; index++) {
+        const kv_layer *L = M->layer + index;
+        const int64_t d = L->head_dim, q_size = L->q_heads * d, kv_size = L->kv_heads * d;
+        float *k_cache = a->keys[index], *v_cache = a->values[index];
+        if (t == 0) {
+            rms_norm(n, a->hidden, L->input_norm, L->eps, a->normed);
+            group_sums(&L->qkv, a->normed, a->xsum);
+        }
+        SYNC();
+        matvec_part(&L->qkv, a->normed, a->xsum, a->qkv, t, threads);
+        SYNC();
+        if (t == 0) {
+            float *q = a->qkv, *k = a->qkv + q_size, *v = a->qkv + q_size + kv_size;
+            add_bias(q_size + 2 * kv_size, a->qkv, L->qkv_bias);
+            if (L->q_norm) {
+                for (int64_t h = 0; h < L->q_heads; h++) rms_norm(d, q + h * d, L->q_norm, L->eps, q + h * d);
+                for (int64_t h = 0; h < L->kv_heads; h++) rms_norm(d, k + h * d, L->k_norm, L->eps, k + h * d);
+            }
+            rotate(L->q_heads, d, q, a->cos[index], a->signed_sin[index]);
+            rotate(L->kv_heads, d, k, a->cos[index], a->signed_sin[index]);
+            for (int64_t h = 0; h < L->kv_heads; h++) {
+                memcpy(k_cache + (h * a->capacity + a->slot) * d, k + h * d, sizeof(float) * (size_t)d);
+                memcpy(v_cache + (h * a->capacity + a->slot) * d, v + h * d, sizeof(float) * (size_t)d);
+            }
+        }
+        SYNC();
+        const int64_t lo = L->window > 0 && a->slot + 1 > L->window ? a->slot + 1 - L->window : 0, hi = a->slot + 1;
+        const int parts = attention_parts_for(hi - lo, threads);
+        if (t < parts) {
+            const int64_t from = lo + (hi - lo) * t / parts, to = lo + (hi - lo) * (t + 1) / parts;
+            attend_part(L->q_heads, L->kv_heads, d, a->capacity * d, a->qkv, k_cache, v_cache, from, to, L->scaling,
+                        a->scratch.maxes + t * L->q_heads, a->scratch.sums + t * L->q_heads,
+                        a->scratch.accs + (int64_t)t * L->q_heads * d);
+        }
+        SYNC();
+        if (t == 0) {
+            merge_parts(L->q_heads, d, parts, a->scratch, a->attended);
+            group_sums(&L->o, a->attended, a->xsum);
+        }
+        SYNC();
+        matvec_part(&L->o, a->attended, a->xsum, a->out, t, threads);
+        SYNC();
+        if (t == 0) {
+            add_bias(n, a->out, L->o_bias);
+            if (L->sandwich) rms_norm(n, a->out, L->attention_norm, L->eps, a->out);
+            for (int64_t i = 0; i < n; i++) a->hidden[i] += a->out[i];
+            rms_norm(n, a->hidden, L->mlp_norm, L->eps, a->normed);
+            group_sums(&L->gate_up, a->normed, a->xsum);
+        }
+        SYNC();
+        matvec_part(&L->gate_up, a->normed, a->xsum, a->gate_up, t, threads);
+        SYNC();
+        if (t == 0) {
+            add_bias(2 * L->intermediate, a->gate_up, L->gate_up_bias);
+            for (int64_t i = 0; i < L->intermediate; i++)
+                a->gate_up[i] = activate(a->gate_up[i], L->activation) * a->gate_up[L->intermediate + i];
+            group_sums(&L->down, a->gate_up, a->xsum);
+        }
+        SYNC();
+        matvec_part(&L->down, a->gate_up, a->xsum, a->out, t, threads);
+        SYNC();
+        if (t == 0) {
+            add_bias(n, a->out, L->down_bias);
+            if (L->sandwich) rms_norm(n, a->out, L->mlp_out_norm, L->eps, a->out);
+            for (int64_t i = 0; i < n; i++) a->hidden[i] += a->out[i];
+        }
+    }
+    if (t == 0) {
+        rms_norm(n, a->hidden, M->final_norm, M->eps, a->normed);
+        group_sums(&M->head, a->normed, a->xsum);
+    }
+    SYNC();
+    matvec_part(&M->head, a->normed, a->xsum, a->logits, t, threads);
+#undef SYNC
+}
+
+void kv_model_step(const kv_model *M, int64_t token, int64_t slot, float *const *keys, float *const *values,
+                   int64_t capacity, const float *const *cos, const float *const *signed_sin, float *logits,
+                   int64_t threads) {
+    const kv_layer *first = M->layer;
+    const int64_t n = M->hidden, d = first->head_dim, q_size = first->q_heads * d, kv_size = first->kv_heads * d;
+    int64_t widest = n > first->intermediate ? n : first->intermediate;
+    widest = widest > q_size ? widest : q_size;
+    if (threads < 1) threads = 1;
+    if (threads > MAX_THREADS) threads = MAX_THREADS;
+    step_args a = {M, token, slot, capacity, keys, values, cos, signed_sin, logits};
+    a.hidden = malloc(sizeof(float) * (size_t)n);
+    a.normed = malloc(sizeof(float) * (size_t)n);
+    a.qkv = malloc(sizeof(float) * (size_t)(q_size + 2 * kv_size));
+    a.attended = malloc(sizeof(float) * (size_t)q_size);
+    a.out = malloc(sizeof(float) * (size_t)n);
+    a.gate_up = malloc(sizeof(float) * (size_t)(2 * first->intermediate));
+    a.xsum = malloc(sizeof(float) * (size_t)(widest / 16 + 1));
+    const int granted = pool_acquire((int)threads);
+    a.scratch = parts_for(first->q_heads, d, granted);
+    atomic_init(&a.sync.arrived, 0);
+    atomic_init(&a.sync.phase, 0);
+    a.sync.threads = granted;
+    pool_run(step_job, &a, granted);
+    free(a.hidden);
+    free(a.normed);
+    free(a.qkv);
+    free(a.attended);
+    free(a.out);
+    free(a.gate_up);
+    free(a.xsum);
+    free_parts(a.scratch);
 }

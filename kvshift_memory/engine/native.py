@@ -33,19 +33,19 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["Layer", "Matrix", "NativeKernels", "kernels", "native_status"]
+__all__ = ["Layer", "Matrix", "Model", "NativeKernels", "kernels", "native_status"]
 
 log = logging.getLogger("kvshift_memory")
 
-_ABI_VERSION = 8
+_ABI_VERSION = 10
 _COMPILE_TIMEOUT_S = 120.0
 # a thread that finds another building waits this long, then runs PyTorch's operators for now
 _BUILD_WAIT_S = 3 * _COMPILE_TIMEOUT_S + 30.0
 # most specific first: a flag this compiler or CPU refuses drops to the next line
 _FLAG_SETS = (
-    ("-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fopenmp"),
-    ("-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno"),
-    ("-O3", "-ffp-contract=off", "-fno-math-errno"),
+    ("-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-pthread", "-fopenmp"),
+    ("-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-pthread"),
+    ("-O3", "-ffp-contract=off", "-fno-math-errno", "-pthread"),
 )
 
 _lock = threading.Lock()
@@ -72,7 +72,7 @@ class Matrix(ctypes.Structure):
 
 
 class Layer(ctypes.Structure):
-    """``kv_layer``: what :func:`kv_layer_step` reads of one decoder layer (:mod:`.stepping` builds it)."""
+    """``kv_layer``: what ``kv_model_step`` reads of one decoder layer (:mod:`.stepping` builds it)."""
 
     _fields_ = [
         *((name, _I) for name in ("hidden", "q_heads", "kv_heads", "head_dim", "intermediate", "window", "activation", "sandwich")),
@@ -81,6 +81,22 @@ class Layer(ctypes.Structure):
         *((name, _P) for name in ("input_norm", "attention_norm", "mlp_norm", "mlp_out_norm", "q_norm", "k_norm")),
         *((name, _P) for name in ("qkv_bias", "o_bias", "gate_up_bias", "down_bias")),
         *((name, Matrix) for name in ("qkv", "o", "gate_up", "down")),
+    ]
+
+
+class Model(ctypes.Structure):
+    """``kv_model``: the layers, embedding, final norm and head ``kv_model_step`` runs."""
+
+    _fields_ = [
+        ("layers", _I),
+        ("hidden", _I),
+        ("vocab", _I),
+        ("eps", ctypes.c_float),
+        ("embed_scale", ctypes.c_float),
+        ("layer", ctypes.POINTER(Layer)),
+        ("embed", Matrix),
+        ("head", Matrix),
+        ("final_norm", _P),
     ]
 
 
@@ -97,8 +113,9 @@ class NativeKernels:
         library.kv_matmul.argtypes = [ctypes.POINTER(Matrix), _I, _P, _P]
         library.kv_dequantize.argtypes = [ctypes.POINTER(Matrix), _I, _P, _P]
         library.kv_attend_one.argtypes = [_I, _I, _I, _I, _P, _P, _P, _I, _I, ctypes.c_float, _P]
-        library.kv_layer_step.argtypes = [ctypes.POINTER(Layer), _P, _P, _P, _I, _I, _P, _P]
-        for function in ("kv_matmul", "kv_dequantize", "kv_attend_one", "kv_layer_step"):
+        pointers = ctypes.POINTER(_P)
+        library.kv_model_step.argtypes = [ctypes.POINTER(Model), _I, _I, pointers, pointers, _I, pointers, pointers, _P, _I]
+        for function in ("kv_matmul", "kv_dequantize", "kv_attend_one", "kv_model_step"):
             getattr(library, function).restype = None
 
     def matmul(self, matrix: Matrix, x: torch.Tensor, out: torch.Tensor) -> None:
@@ -128,20 +145,24 @@ class NativeKernels:
             q_heads, kv_heads, dim, capacity * dim, query.data_ptr(), keys.data_ptr(), values.data_ptr(), lo, hi, scaling, out.data_ptr()
         )
 
-    def layer_step(
+    def model_step(
         self,
-        layer: Layer,
-        hidden: torch.Tensor,
-        keys: torch.Tensor,
-        values: torch.Tensor,
+        model: Model,
+        token: int,
         slot: int,
-        cos: torch.Tensor,
-        signed_sin: torch.Tensor,
+        keys: ctypes.Array,
+        values: ctypes.Array,
+        capacity: int,
+        cos: ctypes.Array,
+        signed_sin: ctypes.Array,
+        logits: torch.Tensor,
     ) -> None:
-        """One decoder layer for one token: ``hidden`` ``[hidden_size]`` updated in place, its K/V
-        written at ``slot`` of ``keys``/``values`` (``[1, kv_heads, capacity, head_dim]``)."""
-        self._lib.kv_layer_step(
-            ctypes.byref(layer), hidden.data_ptr(), keys.data_ptr(), values.data_ptr(), keys.shape[2], slot, cos.data_ptr(), signed_sin.data_ptr()
+        """One token through the whole model: its K/V written at ``slot`` of each layer's cache
+        (``keys``/``values``: one pointer per layer to ``[1, kv_heads, capacity, head_dim]``), each
+        layer rotated by its ``cos``/``signed_sin`` (one pointer per layer), the logits into
+        ``logits``; on the kernels' own threads, as many as ``torch.get_num_threads()``."""
+        self._lib.kv_model_step(
+            ctypes.byref(model), token, slot, keys, values, capacity, cos, signed_sin, logits.data_ptr(), torch.get_num_threads()
         )
 
 

@@ -222,7 +222,7 @@ class ModelRunner:
         PyTorch's operators) or ``"transformers"`` (its forward)."""
         if self.step is None:
             return "transformers"
-        return "native" if self.device.type == "cpu" and kernels() is not None else "torch"
+        return "native" if self.step.native_model is not None and kernels() is not None else "torch"
 
     def _forward_pass(
         self, cache: ShiftCache, ids: torch.Tensor, step: ForwardStep, logits: Logits

@@ -21,6 +21,7 @@ says which in ``stats.decode_step``.
 
 from __future__ import annotations
 
+import ctypes
 import inspect
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -28,8 +29,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 
-from .native import Layer, kernels
-from .weights import QuantizedLinear, StackedProjections, stack_projections
+from .native import Layer, Model, NativeKernels, kernels
+from .weights import QuantizedEmbedding, QuantizedLinear, StackedProjections, stack_projections
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -107,8 +108,9 @@ class OneTokenStep:
         layer_types = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
         self.layers = [self._layer(layer, config, kind) for layer, kind in zip(decoder.layers, layer_types, strict=False)]
         self.rope_types = sorted({layer.rope_type for layer in self.layers})
-        #: every layer runs as one call of the kernels' layer step (else layer by layer in PyTorch)
-        self.native_layers = self.device.type == "cpu" and all(layer.native is not None for layer in self.layers)
+        self._native_layers = None
+        #: the whole token runs as one call of the kernels' model step (``None``: in PyTorch)
+        self.native_model: Model | None = self._native_model(config) if self.device.type == "cpu" else None
 
     def _layer(self, layer: torch.nn.Module, config: Any, layer_type: str) -> _Layer:
         attn, mlp = layer.self_attn, layer.mlp
@@ -139,6 +141,34 @@ class OneTokenStep:
         if kernels() is not None and activation is not None:
             self._native_layer(built, config, activation)
         return built
+
+    def _native_model(self, config: Any) -> Model | None:
+        """The model as the kernels' step reads it, where every part fits it: each layer (see
+        :meth:`_native_layer`), a quantized embedding, an RMS final norm, a quantized head without bias."""
+        if not all(layer.native is not None for layer in self.layers):
+            return None
+        embed, head = self.embed, self.head
+        if type(embed) is not QuantizedEmbedding or type(head) is not QuantizedLinear or head.bias is not None:
+            return None
+        found = _rms_norm_weight(self.norm, gemma=self.family in _SANDWICH)
+        if found is None:
+            return None
+        final_norm, eps = found
+        scale = 1.0 if embed.embed_scale is None else float(embed.embed_scale)
+        self._native_layers = (Layer * len(self.layers))(*(layer.native for layer in self.layers))
+        self._final_norm = final_norm
+        self.vocab = head.out_features
+        return Model(
+            len(self.layers),
+            int(config.hidden_size),
+            head.out_features,
+            eps,
+            scale,
+            self._native_layers,
+            embed.matrix.native,
+            head.matrix.native,
+            final_norm.data_ptr(),
+        )
 
     def _native_layer(self, layer: _Layer, config: Any, activation: int) -> None:
         """Fill ``layer.native`` where the whole layer fits the kernels' layer step: quantized
@@ -185,13 +215,14 @@ class OneTokenStep:
         )
         layer.held = held
 
-    def _rotations(self, hidden: torch.Tensor, slot: int) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    def _rotations(self, dtype: torch.dtype, slot: int) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         """Per RoPE type, ``cos`` and the signed ``sin`` that turn ``q * cos + rotate_half(q) * sin``
         into ``q * cos + roll(q) * signed_sin`` (the same products: ``-(a * b) == a * -b``)."""
-        positions = torch.tensor([[slot]], device=hidden.device)
+        positions = torch.tensor([[slot]], device=self.device)
+        like = torch.empty(1, 1, 1, dtype=dtype, device=self.device)  # the rotary module reads its dtype and device
         tables = {}
         for rope_type in self.rope_types:
-            args = (hidden[None], positions, rope_type) if self._typed_rotary else (hidden[None], positions)
+            args = (like, positions, rope_type) if self._typed_rotary else (like, positions)
             cos, sin = self.rotary(*args)
             cos, sin = cos.reshape(-1), sin.reshape(-1)
             half = sin.numel() // 2
@@ -212,25 +243,34 @@ class OneTokenStep:
     @torch.inference_mode()
     def __call__(self, cache: ShiftCache, token: int, slot: int) -> torch.Tensor:
         """The logits after ``token`` at ``slot`` (float32 ``[vocab]``); its K/V is written to ``cache``."""
-        hidden = self.embed(torch.tensor([[token]], device=self.device))[0]
-        tables = self._rotations(hidden, slot)
-        native = kernels() if self.native_layers else None
+        native = kernels() if self.native_model is not None else None
         keys, _ = cache.buffer(0)
         if native is not None and keys.dtype == torch.float32 and keys.is_contiguous():
-            flat = hidden.reshape(-1).contiguous()
-            for index, layer in enumerate(self.layers):
-                keys, values = cache.buffer(index)
-                cos, signed_sin = tables[layer.rope_type]
-                assert layer.native is not None
-                native.layer_step(layer.native, flat, keys, values, slot, cos, signed_sin)
-            hidden = flat.view(1, -1)
+            logits = self._native_step(native, cache, token, slot)
         else:
-            hidden = self._layers_in_torch(cache, hidden, tables, slot)
+            hidden = self.embed(torch.tensor([[token]], device=self.device))[0]
+            hidden = self._layers_in_torch(cache, hidden, self._rotations(hidden.dtype, slot), slot)
+            logits = self.head(self.norm(hidden))[0].float()
         cache.mark_filled(slot + 1)
-        logits = self.head(self.norm(hidden))
         if self.softcap is not None:
             logits = torch.tanh(logits / self.softcap) * self.softcap
-        return logits[0].float()
+        return logits
+
+    def _native_step(self, native: NativeKernels, cache: ShiftCache, token: int, slot: int) -> torch.Tensor:
+        assert self.native_model is not None
+        if not 0 <= token < self.native_model.embed.rows:
+            raise IndexError(f"token id {token} outside the vocabulary of {self.native_model.embed.rows}")
+        tables = self._rotations(torch.float32, slot)
+        count = len(self.layers)
+        buffers = [cache.buffer(index) for index in range(count)]
+        pointers = ctypes.c_void_p * count
+        keys = pointers(*(k.data_ptr() for k, _ in buffers))
+        values = pointers(*(v.data_ptr() for _, v in buffers))
+        cos = pointers(*(tables[layer.rope_type][0].data_ptr() for layer in self.layers))
+        signed_sin = pointers(*(tables[layer.rope_type][1].data_ptr() for layer in self.layers))
+        logits = torch.empty(self.vocab, dtype=torch.float32)
+        native.model_step(self.native_model, token, slot, keys, values, buffers[0][0].shape[2], cos, signed_sin, logits)
+        return logits
 
     def _layers_in_torch(
         self, cache: ShiftCache, hidden: torch.Tensor, tables: dict[str, tuple[torch.Tensor, torch.Tensor]], slot: int
