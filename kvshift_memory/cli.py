@@ -6,6 +6,7 @@
     kvshift chat [STORE] --user alice --session trip
     kvshift bench [--only ttft,fidelity,locomo] [--plot-only]   # JSON and PNG in benchmarks/results
     kvshift inspect ./.kvshift            # counts and sizes, as JSON
+    kvshift inspect --engine [MODEL]      # what an engine runs: weight format, K/V dtype, decoding, size
     kvshift check ./.kvshift              # verify records and blobs; exit 1 if something is unrepaired
     kvshift gc ./.kvshift [--keep-model FINGERPRINT]
 
@@ -37,6 +38,18 @@ def _open_store(args: argparse.Namespace) -> MemoryStore:
 
 
 def _inspect(args: argparse.Namespace) -> int:
+    if args.engine is not None:  # an engine, not a store: what it runs
+        import torch
+
+        from . import KVShiftEngine
+
+        torch.set_num_threads(min(2, torch.get_num_threads()))
+        name = None if args.engine == "default" else args.engine
+        engine = KVShiftEngine.from_pretrained(name, **({"weights": args.weights} if args.weights else {}))
+        print(json.dumps(engine.describe(), indent=1))
+        return 0
+    if args.path is None and args.kv_url is None:
+        raise KVShiftError("give a store folder or --kv-url (or --engine MODEL to describe an engine)")
     with _open_store(args) as store:
         print(json.dumps(store.stats(model_fingerprint=args.model_fingerprint), indent=1, sort_keys=True))
     return 0
@@ -115,8 +128,9 @@ def _converse(engine: Any, store: Any, args: argparse.Namespace) -> int:
             stats = reply.stats
             restored = f" ({stats.restored_tokens} from stored K/V)" if stats.restored_tokens else ""
             print(
-                f"\n     [{reply.ttft_s * 1000:.0f} ms to first token; {stats.reused_tokens}/{stats.prompt_tokens} "
-                f"prompt tokens reused{restored}; {len(reply.recalled)} memories recalled; {reply.decision}]"
+                f"\n     [{reply.ttft_s * 1000:.0f} ms to first token, {stats.decode_tokens_per_s:.0f} tokens/s; "
+                f"{stats.reused_tokens}/{stats.prompt_tokens} prompt tokens reused{restored}; "
+                f"{len(reply.recalled)} memories recalled; {reply.decision}]"
             )
         except KVShiftError as exc:  # a refused message loses nothing: say why and go on
             print(f"kvshift: {exc}", file=sys.stderr)
@@ -250,9 +264,18 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--only", default="ttft,fidelity,locomo", help=f"comma-separated, from {','.join(BENCHMARKS)}")
     bench.add_argument("--plot-only", action="store_true", help="plot the results already there")
     bench.set_defaults(run=_bench, needs_store=False)
-    store_command("inspect", "counts and sizes of a store", _inspect).add_argument(
-        "--model-fingerprint", default=None, help="also count fragments of other models (stale)"
+    inspect = store_command("inspect", "counts and sizes of a store, or what an engine runs (--engine)", _inspect)
+    inspect.add_argument("--model-fingerprint", default=None, help="also count fragments of other models (stale)")
+    inspect.add_argument(
+        "--engine",
+        nargs="?",
+        const="default",
+        default=None,
+        metavar="MODEL",
+        help="load a model (default: the bundled one) and print its weight format, K/V dtype, decoding path, size",
     )
+    inspect.add_argument("--weights", default=None, help="with --engine: the weight format to load it in")
+    inspect.set_defaults(needs_store=False)
     store_command("check", "verify every record and fragment; repair what text can rebuild", _check)
     store_command("gc", "erase deleted and expired memories, free unused fragments", _gc).add_argument(
         "--keep-model", default=None, metavar="FINGERPRINT", help="also free fragments of every other model"

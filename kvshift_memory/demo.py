@@ -55,7 +55,11 @@ def run_demo(store_path: str | None = None, max_new_tokens: int = 32) -> int:
     started = time.perf_counter()
     print("loading the bundled SmolLM2-135M-Instruct (converted to safetensors once, on the first run)")
     engine = KVShiftEngine.from_pretrained()
-    print(f"model loaded in {time.perf_counter() - started:.1f} s")
+    described = engine.describe()
+    print(
+        f"model loaded in {time.perf_counter() - started:.1f} s: weights {described['weights']} "
+        f"({described['weights_bytes'] / 1e6:.0f} MB), K/V {described['kv_dtype']}, decoding: {described['decode']}"
+    )
     with tempfile.TemporaryDirectory() as scratch:
         folder = Path(store_path) if store_path else Path(scratch) / "store"
         with MemoryStore(folder) as store:
@@ -66,14 +70,14 @@ def run_demo(store_path: str | None = None, max_new_tokens: int = 32) -> int:
             for message in tqdm(SESSION_1, desc="session 1 turns", leave=False):
                 reply = planning.chat(message)
                 rows.append(reply)
-            print(f"{'turn':<66} {'prompt':>6} {'reused':>6} {'new':>4} {'TTFT':>7}  write-back")
+            print(f"{'turn':<66} {'prompt':>6} {'reused':>6} {'new':>4} {'TTFT':>7} {'decode':>9}  write-back")
             for reply in rows:
                 s = reply.stats
                 new = s.prompt_tokens - s.reused_tokens
                 note = reply.decision + (" (corrects a memory)" if reply.corrected is not None else "")
                 print(
                     f"{reply.message[:66]:<66} {s.prompt_tokens:>6} {s.reused_tokens:>6} {new:>4} "
-                    f"{reply.ttft_s * 1000:>5.0f}ms  {note}"
+                    f"{reply.ttft_s * 1000:>5.0f}ms {s.decode_tokens_per_s:>5.0f} t/s  {note}"
                 )
             corrected = next((r.corrected for r in rows if r.corrected is not None), None)
             if corrected is not None:
@@ -91,7 +95,8 @@ def run_demo(store_path: str | None = None, max_new_tokens: int = 32) -> int:
                 print(
                     f"window read back from the store: {earlier} turns; prompt of {s.prompt_tokens} tokens: "
                     f"{s.restored_tokens} ({s.restored_tokens / s.prompt_tokens:.0%}) restored from stored K/V, "
-                    f"{s.prompt_tokens - s.reused_tokens} computed; {s.ttft_s * 1000:.0f} ms to first token"
+                    f"{s.prompt_tokens - s.reused_tokens} computed; {s.ttft_s * 1000:.0f} ms to first token, "
+                    f"{s.decode_tokens_per_s:.0f} tokens/s after it"
                 )
 
             print("\n== the project brief, stored as a document ==")

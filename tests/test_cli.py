@@ -55,6 +55,17 @@ def test_refusals_are_one_line_and_status_2(tmp_path, capsys):
         main(["no-such-command"])
 
 
+@pytest.mark.model
+def test_inspect_describes_an_engine(capsys):
+    assert main(["inspect", "--engine"]) == 0
+    described = json.loads(capsys.readouterr().out)
+    assert described["weights"] in ("as-shipped", "fp32") and described["kv_dtype"] == "fp32"
+    assert described["decode"] in ("native", "torch") and described["weights_bytes"] > 0
+    assert main(["inspect", "--engine", "--weights", "int3"]) == 2
+    assert "weights must be one of" in capsys.readouterr().err
+    assert main(["inspect", "--engine", "no-such-model"]) == 2
+
+
 def test_console_script_runs(folder):
     path, _ = folder
     out = subprocess.run(
@@ -75,6 +86,7 @@ def test_chat_answers_lines_from_stdin_and_remembers_across_runs(tmp_path, monke
     assert main(["chat", store, "--user", "ana", "--session", "one", "--max-new-tokens", "4"]) == 0
     out = capsys.readouterr().out
     assert out.count("bot> ") == 2 and "prompt tokens reused" in out and "you: My cat Miso" in out
+    assert "tokens/s" in out  # decoding speed, each turn
     monkeypatch.setattr("sys.stdin", io.StringIO("When was Miso born?\n"))  # EOF ends the chat
     assert main(["chat", store, "--user", "ana", "--session", "two", "--max-new-tokens", "4"]) == 0
 
@@ -149,6 +161,9 @@ def test_demo_runs_both_sessions_with_recall_and_a_correction(capsys):
     resumed = out.split("== session 1 resumed after a restart ==")[1].split("== session 2")[0]
     restored = re.search(r"window read back from the store: (\d+) turns; prompt of (\d+) tokens: (\d+) \(", resumed)
     assert restored is not None and int(restored.group(1)) == 6 and int(restored.group(3)) > 0, resumed
+    assert re.search(r"\d+ tokens/s after it", resumed)  # the whole reply's speed, not only the first token's
+    assert re.search(r"weights (as-shipped|fp32) \(\d+ MB\), K/V fp32, decoding: (native|torch)", out), out[:400]
+    assert "t/s" in out.split("== session 1")[1].splitlines()[1]  # session 1's table has a decode column
 
 
 def test_models_list_says_what_is_installed(capsys):

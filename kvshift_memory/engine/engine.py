@@ -31,8 +31,9 @@ from .packing import sharing
 from .planning import Planner
 from .results import GenerationResult, GenerationStream, ScoreResult
 from .runner import ModelRunner
+from .native import native_status
 from .settings import EngineSettings
-from .weights import check_weight_format
+from .weights import check_weight_format, resident_bytes
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -387,6 +388,26 @@ class KVShiftEngine:
         :raises InvalidInputError: the tokenizer is not a fast (tokenizers) one.
         """
         return self.runner.grammar_tokenizer()
+
+    def describe(self) -> dict[str, Any]:
+        """What this engine runs, as plain values: its model (``config.name_or_path``), weight format,
+        K/V dtype, what decodes (``"native"``: the one-token step in the engine's kernels;
+        ``"torch"``: that step in PyTorch's operators; ``"transformers"``: its forward), the kernels'
+        build, the weights' bytes in memory, device, threads and fingerprint. ``kvshift inspect
+        --engine`` prints it."""
+        runner = self.runner
+        return {
+            "model": str(getattr(self.model.config, "name_or_path", "") or type(self.model).__name__),
+            "weights": runner.weights,
+            "kv_dtype": runner.kv_dtype,
+            "decode": runner.decode_path,
+            "decode_fallback_reason": runner.step_reason,
+            "kernels": native_status(),
+            "weights_bytes": resident_bytes(self.model),
+            "device": str(self.device),
+            "threads": torch.get_num_threads(),
+            "fingerprint": self.fingerprint,
+        }
 
     @property
     def tool_layout(self) -> ToolLayout:

@@ -15,12 +15,10 @@
  * scale * q + offset rounded twice, as gguf-py (and so the float32 conversion) computes it.
  */
 #include <math.h>
-#include <pthread.h>
 #include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -28,7 +26,7 @@
 #include <immintrin.h>
 #endif
 
-int kv_abi_version(void) { return 10; }
+int kv_abi_version(void) { return 11; }
 
 /* one weight matrix [rows, cols] (y = x W^T); ``kind`` 4 or 8 */
 typedef struct {
@@ -296,7 +294,7 @@ static void matvec_shared(const kv_matrix *w, const float *x, const float *xsum,
     }
 }
 
-/* y = W x, the share of thread ``t`` of ``threads`` (the pool's model step) */
+/* y = W x, the share of thread ``t`` of ``threads`` (the model step's team) */
 static void matvec_part(const kv_matrix *w, const float *x, const float *xsum, float *y, int t, int threads) {
     const int64_t n = w->rows, blocks = (n + ROWS - 1) / ROWS;
     for (int64_t block = blocks * t / threads; block < blocks * (t + 1) / threads; block++) {
@@ -565,28 +563,15 @@ static float activate(float x, int64_t kind) {
 }
 
 /* ---------------------------------------------------------------- the model step's threads
- * A pool of our own rather than OpenMP's: once a second thread of the process has run OpenMP work
- * (a background writer's PyTorch call, a framework's worker thread), libgomp stops spinning at its
- * barriers and puts threads to sleep there, and a step with a few hundred barriers took twice as
- * long (12 to 22 ms for SmolLM2-135M). These threads spin while a step runs and for a short while
- * after it (the next token comes within a millisecond), then sleep on a condition variable. One
- * step runs on the pool at a time; a step asked for meanwhile, from another thread, runs on its
- * caller alone.
+ * One OpenMP region for the whole token, and inside it barriers of our own that spin: once a
+ * second thread of the process has run OpenMP work (a background writer's PyTorch call, a
+ * framework's worker thread), libgomp stops spinning at its own barriers and puts threads to
+ * sleep there, and a step with a few hundred barriers took twice as long (12 to 22 ms for
+ * SmolLM2-135M). A pool of separate threads avoided that but then competed for the cores with
+ * libgomp's threads, which spin for a while after PyTorch's own work (a `cos` before the step
+ * made it 60 % slower); running on libgomp's threads, the step uses the very threads that spin.
  */
-#define MAX_THREADS 64
-#define IDLE_SPIN_NS 2000000
-
-typedef void (*pool_job)(void *arg, int thread, int threads);
-
-static struct {
-    pthread_mutex_t lock, busy;
-    pthread_cond_t wake;
-    int workers;
-    atomic_int epoch, running;
-    pool_job job;
-    void *arg;
-    int threads;
-} pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER};
+typedef void (*team_job)(void *arg, int thread, int threads);
 
 static inline void relax(void) {
 #if defined(__x86_64__) || defined(__i386__)
@@ -596,96 +581,25 @@ static inline void relax(void) {
 #endif
 }
 
-static void pool_after_fork(void);
-static void pool_register_fork(void) { pthread_atfork(NULL, NULL, pool_after_fork); }
-
-static int64_t now_ns(void) {
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
-}
-
-static int worker_epoch[MAX_THREADS];
-
-static void *pool_worker(void *index_pointer) {
-    const int index = (int)(intptr_t)index_pointer;
-    int seen = worker_epoch[index];
-    for (;;) {
-        const int64_t since = now_ns();
-        for (int spins = 0; atomic_load_explicit(&pool.epoch, memory_order_acquire) == seen; spins++) {
-            relax();
-            if ((spins & 1023) == 1023 && now_ns() - since > IDLE_SPIN_NS) {
-                pthread_mutex_lock(&pool.lock);
-                while (atomic_load(&pool.epoch) == seen) pthread_cond_wait(&pool.wake, &pool.lock);
-                pthread_mutex_unlock(&pool.lock);
-            }
-        }
-        seen = atomic_load(&pool.epoch);
-        if (index < pool.threads) pool.job(pool.arg, index, pool.threads);
-        atomic_fetch_sub_explicit(&pool.running, 1, memory_order_release);
-    }
-    return NULL;
-}
-
-/* a forked child has none of its parent's threads: it starts its own when it needs them */
-static void pool_after_fork(void) {
-    pthread_mutex_init(&pool.lock, NULL);
-    pthread_mutex_init(&pool.busy, NULL);
-    pthread_cond_init(&pool.wake, NULL);
-    pool.workers = 0;
-}
-
-/* how many threads a step may use, up to ``wanted``: more than one only when the pool was free
- * (it is then held until pool_run returns) and its workers could be started */
-static int pool_acquire(int wanted) {
-    if (wanted > MAX_THREADS) wanted = MAX_THREADS;
-    if (wanted <= 1 || pthread_mutex_trylock(&pool.busy) != 0) return 1;
-    static pthread_once_t registered = PTHREAD_ONCE_INIT;
-    pthread_once(&registered, pool_register_fork);
-    while (pool.workers < wanted - 1) {
-        const int index = pool.workers + 1;
-        worker_epoch[index] = atomic_load(&pool.epoch);
-        pthread_t thread;
-        pthread_attr_t attributes;
-        pthread_attr_init(&attributes);
-        pthread_attr_setdetachstate(&attributes, PTHREAD_CREATE_DETACHED);
-        const int failed = pthread_create(&thread, &attributes, pool_worker, (void *)(intptr_t)index);
-        pthread_attr_destroy(&attributes);
-        if (failed) break;
-        pool.workers = index;
-    }
-    const int threads = wanted < pool.workers + 1 ? wanted : pool.workers + 1;
-    if (threads == 1) pthread_mutex_unlock(&pool.busy);
-    return threads;
-}
-
-/* ``job`` on ``threads`` threads (the caller is thread 0), as pool_acquire granted them */
-static void pool_run(pool_job job, void *arg, int threads) {
-    if (threads == 1) {
-        job(arg, 0, 1);
-        return;
-    }
-    pool.job = job;
-    pool.arg = arg;
-    pool.threads = threads;
-    atomic_store(&pool.running, pool.workers);
-    pthread_mutex_lock(&pool.lock);
-    atomic_fetch_add_explicit(&pool.epoch, 1, memory_order_release);
-    pthread_cond_broadcast(&pool.wake);
-    pthread_mutex_unlock(&pool.lock);
-    job(arg, 0, threads);
-    while (atomic_load_explicit(&pool.running, memory_order_acquire) > 0) relax();
-    pthread_mutex_unlock(&pool.busy);
+static void run_team(team_job job, void *arg, int threads) {
+#ifdef _OPENMP
+#pragma omp parallel num_threads(threads)
+    job(arg, omp_get_thread_num(), omp_get_num_threads());
+#else
+    (void)threads;
+    job(arg, 0, 1);
+#endif
 }
 
 typedef struct {
     atomic_int arrived, phase;
-    int threads;
 } barrier;
 
-static void barrier_wait(barrier *b, int *phase) {
+/* every thread of the team waits here for the others, spinning (``threads``: the team's size) */
+static void barrier_wait(barrier *b, int *phase, int threads) {
+    if (threads == 1) return;
     *phase = !*phase;
-    if (atomic_fetch_add_explicit(&b->arrived, 1, memory_order_acq_rel) == b->threads - 1) {
+    if (atomic_fetch_add_explicit(&b->arrived, 1, memory_order_acq_rel) == threads - 1) {
         atomic_store_explicit(&b->arrived, 0, memory_order_relaxed);
         atomic_store_explicit(&b->phase, *phase, memory_order_release);
     } else {
@@ -708,7 +622,7 @@ static void step_job(void *pointer, int t, int threads) {
     const kv_model *M = a->M;
     const int64_t n = M->hidden;
     int phase = 0;
-#define SYNC() barrier_wait(&a->sync, &phase)
+#define SYNC() barrier_wait(&a->sync, &phase, threads)
     if (t == 0) {
         row_values(&M->embed, a->token, a->hidden);
         if (M->embed_scale != 1.0f)
@@ -798,7 +712,6 @@ void kv_model_step(const kv_model *M, int64_t token, int64_t slot, float *const 
     int64_t widest = n > first->intermediate ? n : first->intermediate;
     widest = widest > q_size ? widest : q_size;
     if (threads < 1) threads = 1;
-    if (threads > MAX_THREADS) threads = MAX_THREADS;
     step_args a = {M, token, slot, capacity, keys, values, cos, signed_sin, logits};
     a.hidden = malloc(sizeof(float) * (size_t)n);
     a.normed = malloc(sizeof(float) * (size_t)n);
@@ -807,12 +720,10 @@ void kv_model_step(const kv_model *M, int64_t token, int64_t slot, float *const 
     a.out = malloc(sizeof(float) * (size_t)n);
     a.gate_up = malloc(sizeof(float) * (size_t)(2 * first->intermediate));
     a.xsum = malloc(sizeof(float) * (size_t)(widest / 16 + 1));
-    const int granted = pool_acquire((int)threads);
-    a.scratch = parts_for(first->q_heads, d, granted);
+    a.scratch = parts_for(first->q_heads, d, (int)threads);
     atomic_init(&a.sync.arrived, 0);
     atomic_init(&a.sync.phase, 0);
-    a.sync.threads = granted;
-    pool_run(step_job, &a, granted);
+    run_team(step_job, &a, (int)threads);
     free(a.hidden);
     free(a.normed);
     free(a.qkv);

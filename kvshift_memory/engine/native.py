@@ -37,15 +37,15 @@ __all__ = ["Layer", "Matrix", "Model", "NativeKernels", "kernels", "native_statu
 
 log = logging.getLogger("kvshift_memory")
 
-_ABI_VERSION = 10
+_ABI_VERSION = 11
 _COMPILE_TIMEOUT_S = 120.0
 # a thread that finds another building waits this long, then runs PyTorch's operators for now
 _BUILD_WAIT_S = 3 * _COMPILE_TIMEOUT_S + 30.0
 # most specific first: a flag this compiler or CPU refuses drops to the next line
 _FLAG_SETS = (
-    ("-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-pthread", "-fopenmp"),
-    ("-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-pthread"),
-    ("-O3", "-ffp-contract=off", "-fno-math-errno", "-pthread"),
+    ("-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fopenmp"),
+    ("-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno"),
+    ("-O3", "-ffp-contract=off", "-fno-math-errno"),
 )
 
 _lock = threading.Lock()
@@ -160,7 +160,7 @@ class NativeKernels:
         """One token through the whole model: its K/V written at ``slot`` of each layer's cache
         (``keys``/``values``: one pointer per layer to ``[1, kv_heads, capacity, head_dim]``), each
         layer rotated by its ``cos``/``signed_sin`` (one pointer per layer), the logits into
-        ``logits``; on the kernels' own threads, as many as ``torch.get_num_threads()``."""
+        ``logits``; on as many threads as ``torch.get_num_threads()``."""
         self._lib.kv_model_step(
             ctypes.byref(model), token, slot, keys, values, capacity, cos, signed_sin, logits.data_ptr(), torch.get_num_threads()
         )

@@ -27,6 +27,8 @@ class ModelPasses(Protocol):
 
     settings: EngineSettings
     num_layers: int
+    #: the weight format the model runs in
+    weights: str
     eos_token_ids: frozenset[int]
     #: what a pass and a fragment fetch cost, learned from the runner's own calls
     costs: CostModel
@@ -53,6 +55,10 @@ class ModelPasses(Protocol):
 
     def decode_one(self, cache: ShiftCache, token: int, slot: int) -> torch.Tensor:
         """The logits after ``token`` at ``slot``, its K/V written to ``cache``."""
+
+    @property
+    def kv_dtype(self) -> str:
+        """The dtype K/V is held in."""
 
     @property
     def decode_path(self) -> str:

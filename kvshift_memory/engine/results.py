@@ -53,6 +53,8 @@ class ReuseStats:
         and repaired), ``"recomputed"``, ``"missed"``, ``"rejected"`` (computed with the question),
         or ``"text"`` (read as text: not in the blend's run, or a mode without one).
     :param recompute_ratio: the share of fragment tokens the blend was asked to recompute.
+    :param weights: the engine's weight format (``EngineSettings.weights``; its dtype's name when unset).
+    :param kv_dtype: the dtype the K/V was computed and held in.
     :param decode_path: what ran the decoding steps after the first token: ``"native"`` (the
         engine's one-token step in its own kernels), ``"torch"`` (that step in PyTorch's operators:
         no C compiler, or not the CPU) or ``"transformers"`` (transformers' forward: a family
@@ -80,6 +82,8 @@ class ReuseStats:
     generated_tokens: int = 0
     decode_tokens_per_s: float = 0.0
     total_s: float = 0.0
+    weights: str = ""
+    kv_dtype: str = ""
     decode_path: str = ""
     fallback_reason: str | None = None
     memory_reuse: list[str] = field(default_factory=list)

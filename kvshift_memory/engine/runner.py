@@ -41,6 +41,9 @@ if TYPE_CHECKING:
 __all__ = ["ModelRunner"]
 
 
+_DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
 def _device_of(embeddings: torch.nn.Module) -> torch.device:
     if isinstance(embeddings, QuantizedEmbedding):
         return embeddings.matrix.device
@@ -132,6 +135,8 @@ class ModelRunner:
             prompt_tokens=n,
             recompute_ratio=ratio if mode == "blend" else 0.0,
             fallback_reason=plan.fallback_reason,
+            weights=self.weights,
+            kv_dtype=self.kv_dtype,
         )
         reused, exact_until, shifted = (
             (0, n, 0)
@@ -215,6 +220,11 @@ class ModelRunner:
             return self.step(cache, token, slot)
         finally:
             self.costs.observe_pass(1, time.perf_counter() - started)
+
+    @property
+    def kv_dtype(self) -> str:
+        """The dtype the working cache, fragments and stored chunks hold K/V in (the model's)."""
+        return _DTYPE_NAMES.get(self.model.dtype, str(self.model.dtype).removeprefix("torch."))
 
     @property
     def decode_path(self) -> str:
