@@ -13,7 +13,7 @@ UV_PIN ?= uv==0.13.9
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: install demo lint test suite wheels fresh-install fresh-venv fresh-check bench notebooks clean
+.PHONY: install demo lint test suite wheels fresh-install fresh-venv fresh-check bench bench-venv notebooks clean
 
 LLAMA_LLMS := integrations/llama_index/llama-index-llms-kvshift
 LLAMA_MEMORY := integrations/llama_index/llama-index-memory-kvshift
@@ -77,7 +77,19 @@ fresh-venv:
 fresh-check:
 	STEPS=check .ci/fresh-install $(DIST) $(FRESH)
 
-bench: install
+# llama.cpp, the peer of benchmarks/decode.py, in a venv of its own: built from PyPI's source
+# distribution (minutes on 2 cores), never a dependency of the package or of its tests
+BENCH_VENV ?= .bench-venv
+LLAMA_CPP_PIN ?= llama-cpp-python==0.3.36
+$(BENCH_VENV)/.installed:
+	test -x $(BENCH_VENV)/bin/python || $(PYTHON) -m venv $(BENCH_VENV)
+	$(BENCH_VENV)/bin/pip install --quiet "$(LLAMA_CPP_PIN)"
+	touch $@
+
+bench-venv: $(BENCH_VENV)/.installed
+
+bench: install bench-venv
+	$(PY) benchmarks/decode.py --llama-python $(BENCH_VENV)/bin/python
 	$(PY) benchmarks/ttft.py
 	$(PY) benchmarks/fidelity.py --datasets locomo,memorybank-exchanges,memorybank-facts
 	$(PY) benchmarks/attention.py

@@ -179,7 +179,9 @@ def decode_part(
     return {
         "prompt_tokens": {size: len(ids[size]) for size in sizes},
         "prefill_s": prefill,
-        "tokens_per_s": {arm: {size: spread(values) for size, values in by_size.items()} for arm, by_size in rates.items()},
+        "tokens_per_s": {
+            arm: {size: spread(values) for size, values in by_size.items()} for arm, by_size in rates.items()
+        },
         "decode_path": {arm: engine.runner.decode_path for arm, engine in engines.items()},
     }
 
@@ -224,7 +226,8 @@ def reply_part(name: str, engine: KVShiftEngine, llama: Llama, repeats: int, tar
                 arms["llama.cpp restart"].append(llama.reply(prompt, TOKENS, fresh=True)["total_s"])
                 engine.flush_chunks()
             print(
-                f"  {name} reply repeat {repeat + 1}: " + ", ".join(f"{arm} {times[-1]:.2f}s" for arm, times in arms.items()),
+                f"  {name} reply repeat {repeat + 1}: "
+                + ", ".join(f"{arm} {times[-1]:.2f}s" for arm, times in arms.items()),
                 flush=True,
             )
     return {
@@ -240,7 +243,12 @@ def fidelity_part(name: str, engines: dict[str, KVShiftEngine], count: int) -> d
     reference_engine = engines["fp32"]
     instances = build_instances(count, reference_engine.count_tokens)
     rows: dict[str, list[dict[str, float]]] = {weights: [] for weights in FIDELITY_FORMATS}
-    by_format = {"as-shipped": engines["default"], "int8": engines["int8"], "int4": engines["int4"], "bf16": engines["bf16"]}
+    by_format = {
+        "as-shipped": engines["default"],
+        "int8": engines["int8"],
+        "int4": engines["int4"],
+        "bf16": engines["bf16"],
+    }
     for instance in instances:
         messages = [{"role": "user", "content": instance.question}]
         memories = list(instance.memories)
@@ -296,14 +304,21 @@ def print_tables(results: dict[str, Any]) -> None:
         decode = report.get("decode")
         if decode:
             sizes = list(decode["prompt_tokens"])
-            print(f"\n{name}: decode tokens/s (median of the repeats) after a prompt of {', '.join(map(str, decode['prompt_tokens'].values()))} tokens")
+            lengths = ", ".join(map(str, decode["prompt_tokens"].values()))
+            print(f"\n{name}: decode tokens/s (median of the repeats) after a prompt of {lengths} tokens")
             llama = decode["tokens_per_s"]["llama.cpp"]
             for arm, by_size in decode["tokens_per_s"].items():
-                cells = [f"{by_size[s]['median']:6.1f} ({by_size[s]['median'] / llama[s]['median']:.2f}x)" for s in sizes]
+                cells = [
+                    f"{by_size[s]['median']:6.1f} ({by_size[s]['median'] / llama[s]['median']:.2f}x)" for s in sizes
+                ]
                 print(f"  {arm:<26} " + "  ".join(cells))
-            print("  prefill (s): " + "; ".join(
-                f"{arm} " + "/".join(f"{decode['prefill_s'][arm][s]:.2f}" for s in sizes) for arm in decode["prefill_s"]
-            ))
+            print(
+                "  prefill (s): "
+                + "; ".join(
+                    f"{arm} " + "/".join(f"{decode['prefill_s'][arm][s]:.2f}" for s in sizes)
+                    for arm in decode["prefill_s"]
+                )
+            )
         reply = report.get("reply")
         if reply:
             times = reply["reply_s"]
@@ -319,10 +334,13 @@ def print_tables(results: dict[str, Any]) -> None:
             print(f"\n{name}: against the float32 engine")
             for weights, row in fidelity.items():
                 print(
-                    f"  {weights:<11} greedy equal {row['greedy_equal']}/{row['instances']}, mean KL {row['mean_kl']:.1e} "
-                    f"(max {row['max_kl']:.1e}), top-1 {row['top1']:.3f}"
+                    f"  {weights:<11} greedy equal {row['greedy_equal']}/{row['instances']}, "
+                    f"mean KL {row['mean_kl']:.1e} (max {row['max_kl']:.1e}), top-1 {row['top1']:.3f}"
                 )
-        print(f"\n{name}: weights in memory (MB): " + ", ".join(f"{arm} {b / 1e6:.0f}" for arm, b in report["weights_bytes"].items()))
+        print(
+            f"\n{name}: weights in memory (MB): "
+            + ", ".join(f"{arm} {b / 1e6:.0f}" for arm, b in report["weights_bytes"].items())
+        )
 
 
 def main() -> None:
@@ -344,7 +362,12 @@ def main() -> None:
     print_tables(results)
     write_report(
         args.output,
-        {"models": {name: MODELS[name] for name in results}, "threads": args.threads, "kernels": native_status(), "results": results},
+        {
+            "models": {name: MODELS[name] for name in results},
+            "threads": args.threads,
+            "kernels": native_status(),
+            "results": results,
+        },
     )
 
 

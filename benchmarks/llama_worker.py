@@ -46,7 +46,7 @@ def main() -> None:
             held = llm.n_tokens
             prompt = request["prompt"]
             common = 0
-            for a, b in zip(llm._input_ids[:held], prompt):
+            for a, b in zip(llm._input_ids[:held], prompt[:held], strict=False):
                 if a != b:
                     break
                 common += 1

@@ -165,7 +165,8 @@ def tiny_engine(tokenizer):
 
 @pytest.fixture(scope="session")
 def bundled_engine():
-    """The real default model (SmolLM2-135M-Instruct), fp32, on ``$KVSHIFT_TEST_DEVICE`` (default: the CPU)."""
+    """The real default model (SmolLM2-135M-Instruct) in its default weights (its GGUF blocks on the
+    CPU where the kernels build, else float32), on ``$KVSHIFT_TEST_DEVICE`` (default: the CPU)."""
     from kvshift_memory import KVShiftEngine
 
     return KVShiftEngine.from_pretrained(device=os.environ.get("KVSHIFT_TEST_DEVICE"))
@@ -173,8 +174,8 @@ def bundled_engine():
 
 @pytest.fixture(scope="session")
 def gemma_engine():
-    """The second shipped model (Gemma 3 270M base: sliding-window layers, two RoPE bases), fp32,
-    on ``$KVSHIFT_TEST_DEVICE`` (default: the CPU)."""
+    """The second shipped model (Gemma 3 270M base: sliding-window layers, two RoPE bases) in its
+    default weights, on ``$KVSHIFT_TEST_DEVICE`` (default: the CPU)."""
     from kvshift_memory import KVShiftEngine
 
     return KVShiftEngine.from_pretrained("gemma-3-270m", device=os.environ.get("KVSHIFT_TEST_DEVICE"))

@@ -18,7 +18,9 @@ def _random_blocks(type_name: str, count: int, seed: int) -> np.ndarray:
     blocks = rng.integers(0, 256, size=(count, size), dtype=np.uint8)
     halves = {"Q4_1": (0, 2), "Q4_K": (0, 2), "Q5_0": (0,), "Q8_0": (0,), "Q6_K": (208,)}[type_name]
     for at in halves:
-        blocks[:, at : at + 2] = rng.uniform(-0.05, 0.05, size=count).astype(np.float16).view(np.uint8).reshape(count, 2)
+        blocks[:, at : at + 2] = (
+            rng.uniform(-0.05, 0.05, size=count).astype(np.float16).view(np.uint8).reshape(count, 2)
+        )
     return blocks
 
 

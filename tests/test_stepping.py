@@ -112,3 +112,21 @@ def test_the_shipped_models_step_gives_their_forward_passs_logits(request, engin
         engine.runner.step = runner_step
     print(f"{engine_name}: step against forward, max |delta logit| {(got - expected).abs().max():.1e}")
     assert (got - expected).abs().max() <= 1e-3
+
+
+def test_streaming_stop_strings_sampling_and_grammars_run_on_the_kernels_step(tokenizer):
+    from kvshift_memory import Grammar
+
+    engine = KVShiftEngine(tiny_model(TINY_CONFIGS["llama"]()), tokenizer, weights="int8")
+    full = engine.generate("Say something.", max_new_tokens=16)
+    assert full.stats.decode_path == ("native" if kernels() is not None else "torch") and len(full.text) > 4
+    pieces = list(stream := engine.generate("Say something.", max_new_tokens=16, stream=True))
+    assert "".join(pieces) == full.text and stream.result is not None and stream.result.text == full.text
+    stop = full.text[2:4]
+    cut = engine.generate("Say something.", max_new_tokens=16, stop=[stop])
+    assert cut.finish_reason == "stop" and cut.text == full.text[: full.text.find(stop)]
+    sampled = dict(max_new_tokens=10, temperature=1.0, top_p=0.9, top_k=50)
+    a, b = (engine.generate("Tell a story.", seed=7, **sampled) for _ in range(2))
+    assert a.token_ids == b.token_ids != engine.generate("Tell a story.", seed=8, **sampled).token_ids
+    shaped = engine.generate("Pick a number.", grammar=Grammar.regex(r"[0-9]{3}"), max_new_tokens=8)
+    assert len(shaped.text) == 3 and shaped.text.isdigit()

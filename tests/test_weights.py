@@ -64,7 +64,9 @@ def _without_kernels(monkeypatch):
 # ---------------------------------------------------------------- matrices and kernels
 
 
-@pytest.mark.parametrize(("kind", "group", "cols"), [("int4", 32, 96), ("int4", 32, 576), ("int8", 32, 640), ("int8", 16, 96)])
+@pytest.mark.parametrize(
+    ("kind", "group", "cols"), [("int4", 32, 96), ("int4", 32, 576), ("int8", 32, 640), ("int8", 16, 96)]
+)
 @pytest.mark.parametrize("native", [True, False])
 def test_products_and_values_match_the_definition(kind, group, cols, native, monkeypatch):
     if native and kernels() is None:
@@ -88,7 +90,7 @@ def test_a_dequantized_value_is_rounded_as_gguf_computes_it():
     """``scale * q + offset`` in float32, two roundings: what the float32 conversion holds."""
     matrix = _random_matrix("int4", 8, 64)
     data = _reference(matrix)  # float64, exact
-    expected = (torch.round(((data.view(8, 2, 32) - matrix.offset.double()[..., None]) / matrix.scale.double()[..., None])))
+    expected = torch.round((data.view(8, 2, 32) - matrix.offset.double()[..., None]) / matrix.scale.double()[..., None])
     expected = (expected.float() * matrix.scale[..., None] + matrix.offset[..., None]).view(8, 64)
     assert torch.equal(matrix.dequantize(), expected)
 

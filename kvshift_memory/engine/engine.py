@@ -26,12 +26,12 @@ from .decoding import Sampling, generate_steps, score_continuation
 from .fingerprint import format_fingerprint, model_fingerprint
 from .grammar import Grammar, GrammarMatcher
 from .loading import load_model, resolve_device, resolve_dtype, shared_key, split_options
+from .native import native_status
 from .options import GenerateOptions
 from .packing import sharing
 from .planning import Planner
 from .results import GenerationResult, GenerationStream, ScoreResult
 from .runner import ModelRunner
-from .native import native_status
 from .settings import EngineSettings
 from .weights import check_weight_format, resident_bytes
 

@@ -75,7 +75,19 @@ class Layer(ctypes.Structure):
     """``kv_layer``: what ``kv_model_step`` reads of one decoder layer (:mod:`.stepping` builds it)."""
 
     _fields_ = [
-        *((name, _I) for name in ("hidden", "q_heads", "kv_heads", "head_dim", "intermediate", "window", "activation", "sandwich")),
+        *(
+            (name, _I)
+            for name in (
+                "hidden",
+                "q_heads",
+                "kv_heads",
+                "head_dim",
+                "intermediate",
+                "window",
+                "activation",
+                "sandwich",
+            )
+        ),
         ("eps", ctypes.c_float),
         ("scaling", ctypes.c_float),
         *((name, _P) for name in ("input_norm", "attention_norm", "mlp_norm", "mlp_out_norm", "q_norm", "k_norm")),
@@ -114,7 +126,18 @@ class NativeKernels:
         library.kv_dequantize.argtypes = [ctypes.POINTER(Matrix), _I, _P, _P]
         library.kv_attend_one.argtypes = [_I, _I, _I, _I, _P, _P, _P, _I, _I, ctypes.c_float, _P]
         pointers = ctypes.POINTER(_P)
-        library.kv_model_step.argtypes = [ctypes.POINTER(Model), _I, _I, pointers, pointers, _I, pointers, pointers, _P, _I]
+        library.kv_model_step.argtypes = [
+            ctypes.POINTER(Model),
+            _I,
+            _I,
+            pointers,
+            pointers,
+            _I,
+            pointers,
+            pointers,
+            _P,
+            _I,
+        ]
         for function in ("kv_matmul", "kv_dequantize", "kv_attend_one", "kv_model_step"):
             getattr(library, function).restype = None
 
@@ -142,7 +165,17 @@ class NativeKernels:
         q_heads, dim = query.shape
         _, kv_heads, capacity, _ = keys.shape
         self._lib.kv_attend_one(
-            q_heads, kv_heads, dim, capacity * dim, query.data_ptr(), keys.data_ptr(), values.data_ptr(), lo, hi, scaling, out.data_ptr()
+            q_heads,
+            kv_heads,
+            dim,
+            capacity * dim,
+            query.data_ptr(),
+            keys.data_ptr(),
+            values.data_ptr(),
+            lo,
+            hi,
+            scaling,
+            out.data_ptr(),
         )
 
     def model_step(
@@ -162,7 +195,16 @@ class NativeKernels:
         layer rotated by its ``cos``/``signed_sin`` (one pointer per layer), the logits into
         ``logits``; on as many threads as ``torch.get_num_threads()``."""
         self._lib.kv_model_step(
-            ctypes.byref(model), token, slot, keys, values, capacity, cos, signed_sin, logits.data_ptr(), torch.get_num_threads()
+            ctypes.byref(model),
+            token,
+            slot,
+            keys,
+            values,
+            capacity,
+            cos,
+            signed_sin,
+            logits.data_ptr(),
+            torch.get_num_threads(),
         )
 
 
@@ -202,7 +244,9 @@ def _build(source: bytes, compiler: list[str], folder: Path) -> tuple[Path, tupl
     errors = []
     for flags in _FLAG_SETS:
         digest = hashlib.sha256(
-            b"\0".join([source, " ".join(compiler).encode(), version.encode(), " ".join(flags).encode(), identity.encode()])
+            b"\0".join(
+                [source, " ".join(compiler).encode(), version.encode(), " ".join(flags).encode(), identity.encode()]
+            )
         ).hexdigest()[:24]
         target = folder / f"kernels-{digest}.so"
         if target.exists():

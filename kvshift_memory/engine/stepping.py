@@ -106,7 +106,9 @@ class OneTokenStep:
         self.rotary = decoder.rotary_emb
         self._typed_rotary = "layer_type" in inspect.signature(self.rotary.forward).parameters
         layer_types = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
-        self.layers = [self._layer(layer, config, kind) for layer, kind in zip(decoder.layers, layer_types, strict=False)]
+        self.layers = [
+            self._layer(layer, config, kind) for layer, kind in zip(decoder.layers, layer_types, strict=False)
+        ]
         self.rope_types = sorted({layer.rope_type for layer in self.layers})
         self._native_layers = None
         #: the whole token runs as one call of the kernels' model step (``None``: in PyTorch)
@@ -229,7 +231,9 @@ class OneTokenStep:
             tables[rope_type] = (cos.contiguous(), torch.cat([-sin[:half], sin[half:]]))
         return tables
 
-    def _attend(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, lo: int, hi: int, scaling: float) -> torch.Tensor:
+    def _attend(
+        self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, lo: int, hi: int, scaling: float
+    ) -> torch.Tensor:
         native = kernels() if keys.device.type == "cpu" and keys.dtype == torch.float32 else None
         if native is not None:
             out = torch.empty_like(query)
@@ -283,7 +287,11 @@ class OneTokenStep:
                 q, k, v = qkv[:, :q_size], qkv[:, q_size : q_size + kv_size], qkv[:, q_size + kv_size :]
             else:
                 q, k, v = (projection(normed) for projection in layer.projections)
-            q, k, v = q.view(self.q_heads, self.head_dim), k.view(self.kv_heads, self.head_dim), v.view(self.kv_heads, self.head_dim)
+            q, k, v = (
+                q.view(self.q_heads, self.head_dim),
+                k.view(self.kv_heads, self.head_dim),
+                v.view(self.kv_heads, self.head_dim),
+            )
             if layer.q_norm is not None and layer.k_norm is not None:
                 q, k = layer.q_norm(q), layer.k_norm(k)
             cos, signed_sin = tables[layer.rope_type]

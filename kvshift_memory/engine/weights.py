@@ -283,7 +283,9 @@ class QuantizedLinear(torch.nn.Module):
 
     def extra_repr(self) -> str:
         m = self.matrix
-        return f"in_features={m.cols}, out_features={m.rows}, {m.kind} groups of {m.group}, bias={self.bias is not None}"
+        return (
+            f"in_features={m.cols}, out_features={m.rows}, {m.kind} groups of {m.group}, bias={self.bias is not None}"
+        )
 
 
 class QuantizedEmbedding(torch.nn.Module):
@@ -299,7 +301,9 @@ class QuantizedEmbedding(torch.nn.Module):
         self.embedding_dim = matrix.cols
         self.padding_idx = padding_idx
         self.matrix = matrix
-        self.register_buffer("embed_scale", None if scale is None else scale.detach().to(torch.float32), persistent=False)
+        self.register_buffer(
+            "embed_scale", None if scale is None else scale.detach().to(torch.float32), persistent=False
+        )
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         flat = input_ids.reshape(-1)
@@ -384,7 +388,7 @@ def quantize_model(
         if matrix is not None:
             model.set_output_embeddings(QuantizedLinear(matrix, head.bias))
             converted += 0 if tied else 1
-    for name, module in list(decoder.named_modules()):
+    for module in list(decoder.modules()):
         if type(module) is torch.nn.Linear:
             full_name = names[id(module)]
             matrix = matrix_for(full_name, module.weight, table=False)
