@@ -26,7 +26,7 @@
 #include <immintrin.h>
 #endif
 
-int kv_abi_version(void) { return 11; }
+int kv_abi_version(void) { return 12; }
 
 /* one weight matrix [rows, cols] (y = x W^T); ``kind`` 4 or 8 */
 typedef struct {
@@ -448,11 +448,11 @@ static void free_parts(attention_parts parts) {
     free(parts.accs);
 }
 
-/* how many parts the keys [lo, hi) are split into among ``threads``: fewer for a short range,
- * where below a few tiles a part costs more to merge than it saves */
+/* how many parts the keys [lo, hi) are split into among ``threads``: at least a tile each (a
+ * part's merge costs a pass over one head's values) */
 static int attention_parts_for(int64_t length, int threads) {
-    if (length < (int64_t)threads * 4 * TILE) return length / (4 * TILE) > 1 ? (int)(length / (4 * TILE)) : 1;
-    return threads;
+    const int64_t tiles = length / TILE;
+    return tiles < threads ? (tiles > 1 ? (int)tiles : 1) : threads;
 }
 
 static void merge_parts(int64_t q_heads, int64_t dim, int parts, attention_parts scratch, float *out) {
@@ -617,6 +617,14 @@ typedef struct {
     barrier sync;
 } step_args;
 
+/* one of the step's products, W x: the threads meet before it (its input is ready) and after it
+ * (its output is) */
+static void product(step_args *a, int *phase, const kv_matrix *w, const float *x, float *y, int t, int threads) {
+    barrier_wait(&a->sync, phase, threads);
+    matvec_part(w, x, a->xsum, y, t, threads);
+    barrier_wait(&a->sync, phase, threads);
+}
+
 static void step_job(void *pointer, int t, int threads) {
     step_args *a = pointer;
     const kv_model *M = a->M;
@@ -636,9 +644,7 @@ static void step_job(void *pointer, int t, int threads) {
             rms_norm(n, a->hidden, L->input_norm, L->eps, a->normed);
             group_sums(&L->qkv, a->normed, a->xsum);
         }
-        SYNC();
-        matvec_part(&L->qkv, a->normed, a->xsum, a->qkv, t, threads);
-        SYNC();
+        product(a, &phase, &L->qkv, a->normed, a->qkv, t, threads);
         if (t == 0) {
             float *q = a->qkv, *k = a->qkv + q_size, *v = a->qkv + q_size + kv_size;
             add_bias(q_size + 2 * kv_size, a->qkv, L->qkv_bias);
@@ -667,9 +673,7 @@ static void step_job(void *pointer, int t, int threads) {
             merge_parts(L->q_heads, d, parts, a->scratch, a->attended);
             group_sums(&L->o, a->attended, a->xsum);
         }
-        SYNC();
-        matvec_part(&L->o, a->attended, a->xsum, a->out, t, threads);
-        SYNC();
+        product(a, &phase, &L->o, a->attended, a->out, t, threads);
         if (t == 0) {
             add_bias(n, a->out, L->o_bias);
             if (L->sandwich) rms_norm(n, a->out, L->attention_norm, L->eps, a->out);
@@ -677,18 +681,20 @@ static void step_job(void *pointer, int t, int threads) {
             rms_norm(n, a->hidden, L->mlp_norm, L->eps, a->normed);
             group_sums(&L->gate_up, a->normed, a->xsum);
         }
-        SYNC();
-        matvec_part(&L->gate_up, a->normed, a->xsum, a->gate_up, t, threads);
-        SYNC();
-        if (t == 0) {
-            add_bias(2 * L->intermediate, a->gate_up, L->gate_up_bias);
-            for (int64_t i = 0; i < L->intermediate; i++)
-                a->gate_up[i] = activate(a->gate_up[i], L->activation) * a->gate_up[L->intermediate + i];
-            group_sums(&L->down, a->gate_up, a->xsum);
+        product(a, &phase, &L->gate_up, a->normed, a->gate_up, t, threads);
+        {
+            /* the activation's share of each thread (tanh and exp are most of the step's scalar work) */
+            const int64_t from = L->intermediate * t / threads, to = L->intermediate * (t + 1) / threads;
+            const float *gate_bias = L->gate_up_bias, *up_bias = gate_bias ? gate_bias + L->intermediate : NULL;
+            for (int64_t i = from; i < to; i++) {
+                const float gate = a->gate_up[i] + (gate_bias ? gate_bias[i] : 0.0f);
+                const float up = a->gate_up[L->intermediate + i] + (up_bias ? up_bias[i] : 0.0f);
+                a->gate_up[i] = activate(gate, L->activation) * up;
+            }
         }
         SYNC();
-        matvec_part(&L->down, a->gate_up, a->xsum, a->out, t, threads);
-        SYNC();
+        if (t == 0) group_sums(&L->down, a->gate_up, a->xsum);
+        product(a, &phase, &L->down, a->gate_up, a->out, t, threads);
         if (t == 0) {
             add_bias(n, a->out, L->down_bias);
             if (L->sandwich) rms_norm(n, a->out, L->mlp_out_norm, L->eps, a->out);
@@ -699,7 +705,7 @@ static void step_job(void *pointer, int t, int threads) {
         rms_norm(n, a->hidden, M->final_norm, M->eps, a->normed);
         group_sums(&M->head, a->normed, a->xsum);
     }
-    SYNC();
+    barrier_wait(&a->sync, &phase, threads);
     matvec_part(&M->head, a->normed, a->xsum, a->logits, t, threads);
 #undef SYNC
 }

@@ -37,7 +37,7 @@ __all__ = ["Layer", "Matrix", "Model", "NativeKernels", "kernels", "native_statu
 
 log = logging.getLogger("kvshift_memory")
 
-_ABI_VERSION = 11
+_ABI_VERSION = 12
 _COMPILE_TIMEOUT_S = 120.0
 # a thread that finds another building waits this long, then runs PyTorch's operators for now
 _BUILD_WAIT_S = 3 * _COMPILE_TIMEOUT_S + 30.0
