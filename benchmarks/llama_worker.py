@@ -18,6 +18,7 @@ Set up once, from PyPI's source distribution (a few minutes of compiling on 2 co
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 import time
@@ -25,6 +26,9 @@ from typing import Any
 
 
 def main() -> None:
+    argparse.ArgumentParser(
+        description="llama.cpp's side of benchmarks/decode.py: JSON requests on stdin, answers on stdout."
+    ).parse_args()
     from llama_cpp import Llama
 
     llm: Any = None

@@ -340,3 +340,25 @@ def test_kill_9_while_chunks_are_written_loses_no_memory_and_restores_nothing_wr
             assert restored.stats.restored_tokens > 0
         engine.flush_chunks(timeout_s=60)
         store.close()
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("engine_name", ["bundled_engine", "gemma_engine"])
+def test_restored_chunks_answer_as_recompute_in_a_shipped_models_default_weights(request, tmp_path, engine_name):
+    """The shipped models' default: GGUF blocks through the kernels' step (on the CPU)."""
+    engine = request.getfixturevalue(engine_name)
+    store = _store(tmp_path)  # fp32 chunks: exact
+    messages = [{"role": "user", "content": "Summarise our plans for the trip to Lisbon in two sentences. " * 40}]
+    engine.clear_cache()
+    engine.generate(messages, kv_store=store, tenant="restore-test", max_new_tokens=8)
+    assert engine.flush_chunks(timeout_s=60)
+    recomputed = engine.generate(messages, reuse="none", tenant="restore-test", max_new_tokens=16)
+    engine.clear_cache()  # a new process: only the store holds the K/V
+    restored = engine.generate(messages, kv_store=store, tenant="restore-test", max_new_tokens=16)
+    assert restored.stats.restored_tokens >= engine.settings.chunk_tokens
+    assert restored.token_ids == recomputed.token_ids
+    engine.clear_cache()
+    scored = engine.score(messages, continuation=recomputed.token_ids, kv_store=store, tenant="restore-test")
+    exact = engine.score(messages, continuation=recomputed.token_ids, reuse="none", tenant="restore-test")
+    assert scored.stats.restored_tokens > 0
+    assert max(abs(a - b) for a, b in zip(scored, exact, strict=True)) < 1e-3
