@@ -153,7 +153,7 @@ def read_gguf_matrices(reader: Any, model: PreTrainedModel) -> dict[str, Quantiz
             continue
         gguf_name = name_map.get_name(name)
         tensor = by_gguf_name.get(f"{gguf_name}.weight") if gguf_name else None
-        if tensor is None or tensor.tensor_type.name not in _TYPES:
+        if gguf_name is None or tensor is None or tensor.tensor_type.name not in _TYPES:
             continue
         cols, rows = (int(size) for size in tensor.shape)
         row_order = None

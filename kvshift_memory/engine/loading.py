@@ -440,7 +440,7 @@ def default_weights(device: object, dtype: object) -> str | None:
     """A shipped model's weight format when the caller names none: its GGUF blocks as they are
     (the fastest measured, ``docs/benchmarks/decode.md``) for float32 on the CPU where the kernels
     build; else ``None``, the float weights as loaded."""
-    on_cpu = device is None or torch.device(device).type == "cpu"  # type: ignore[arg-type]
+    on_cpu = device is None or torch.device(device).type == "cpu"  # type: ignore[call-overload]
     if on_cpu and dtype in ("auto", "float32", torch.float32) and kernels() is not None:
         return "as-shipped"
     return None

@@ -92,29 +92,29 @@ class _Layer:
 class OneTokenStep:
     """Decode one token over a :class:`ShiftCache` for a supported model (:func:`one_token_step`)."""
 
-    def __init__(self, model: PreTrainedModel, decoder: torch.nn.Module) -> None:
+    def __init__(self, model: PreTrainedModel, decoder: Any) -> None:
         config = model.config.get_text_config(decoder=True)
         self.family: str = config.model_type
         self.device = next(model.parameters()).device
         self.q_heads = int(config.num_attention_heads)
         self.kv_heads = int(getattr(config, "num_key_value_heads", None) or self.q_heads)
         self.head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // self.q_heads)
-        self.embed = model.get_input_embeddings()
-        self.norm = decoder.norm
-        self.head = model.get_output_embeddings()
+        self.embed: Any = model.get_input_embeddings()
+        self.norm: Any = decoder.norm
+        self.head: Any = model.get_output_embeddings()
         self.softcap = getattr(config, "final_logit_softcapping", None)
-        self.rotary = decoder.rotary_emb
+        self.rotary: Any = decoder.rotary_emb
         self._typed_rotary = "layer_type" in inspect.signature(self.rotary.forward).parameters
         layer_types = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
         self.layers = [
             self._layer(layer, config, kind) for layer, kind in zip(decoder.layers, layer_types, strict=False)
         ]
         self.rope_types = sorted({layer.rope_type for layer in self.layers})
-        self._native_layers = None
+        self._native_layers: ctypes.Array[Layer] | None = None
         #: the whole token runs as one call of the kernels' model step (``None``: in PyTorch)
         self.native_model: Model | None = self._native_model(config) if self.device.type == "cpu" else None
 
-    def _layer(self, layer: torch.nn.Module, config: Any, layer_type: str) -> _Layer:
+    def _layer(self, layer: Any, config: Any, layer_type: str) -> _Layer:
         attn, mlp = layer.self_attn, layer.mlp
         sandwich = self.family in _SANDWICH
         window = getattr(attn, "sliding_window", None)
@@ -139,7 +139,8 @@ class OneTokenStep:
             window=int(window) if window else None,
             rope_type=layer_type if self._typed_rotary else "default",
         )
-        activation = _ACTIVATIONS.get(getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", ""))
+        activation_name = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", "")
+        activation = _ACTIVATIONS.get(str(activation_name))
         if kernels() is not None and activation is not None:
             self._native_layer(built, config, activation)
         return built
@@ -147,7 +148,8 @@ class OneTokenStep:
     def _native_model(self, config: Any) -> Model | None:
         """The model as the kernels' step reads it, where every part fits it: each layer (see
         :meth:`_native_layer`), a quantized embedding, an RMS final norm, a quantized head without bias."""
-        if not all(layer.native is not None for layer in self.layers):
+        natives = [layer.native for layer in self.layers if layer.native is not None]
+        if len(natives) != len(self.layers):
             return None
         embed, head = self.embed, self.head
         if type(embed) is not QuantizedEmbedding or type(head) is not QuantizedLinear or head.bias is not None:
@@ -157,7 +159,7 @@ class OneTokenStep:
             return None
         final_norm, eps = found
         scale = 1.0 if embed.embed_scale is None else float(embed.embed_scale)
-        self._native_layers = (Layer * len(self.layers))(*(layer.native for layer in self.layers))
+        self._native_layers = (Layer * len(natives))(*natives)
         self._final_norm = final_norm
         self.vocab = head.out_features
         return Model(

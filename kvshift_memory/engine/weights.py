@@ -26,7 +26,7 @@ import functools
 import math
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -265,6 +265,8 @@ def quantize(weight: torch.Tensor, kind: QuantKind) -> QuantizedMatrix:
 class QuantizedLinear(torch.nn.Module):
     """``y = x W^T + b`` with ``W`` a :class:`QuantizedMatrix` (in float32 activations)."""
 
+    bias: torch.Tensor | None
+
     def __init__(self, matrix: QuantizedMatrix, bias: torch.Tensor | None) -> None:
         super().__init__()
         self.in_features = matrix.cols
@@ -294,6 +296,8 @@ class QuantizedEmbedding(torch.nn.Module):
     :param scale: what the model multiplies each embedding by (Gemma's ``sqrt(hidden_size)``,
         which its embedding module applies in its own forward), ``None`` for nothing.
     """
+
+    embed_scale: torch.Tensor | None
 
     def __init__(self, matrix: QuantizedMatrix, padding_idx: int | None, scale: torch.Tensor | None) -> None:
         super().__init__()
@@ -349,7 +353,7 @@ def _parent(model: torch.nn.Module, name: str) -> tuple[torch.nn.Module, str]:
 
 
 def quantize_model(
-    model: torch.nn.Module,
+    model: Any,
     decoder: torch.nn.Module,
     weights: str,
     shipped: Mapping[str, QuantizedMatrix] | None = None,
@@ -417,17 +421,18 @@ def stack_projections(layers: list[torch.nn.Module]) -> StackedProjections | Non
     (a layer's q, k and v), which then keep views into it: one kernel call computes all of them,
     in no more memory. ``None`` (nothing changed) when they cannot share one (another kind, group
     or width, a layer not quantized)."""
-    if not layers or not all(type(layer) is QuantizedLinear for layer in layers):
+    linears = [layer for layer in layers if type(layer) is QuantizedLinear]
+    if not linears or len(linears) != len(layers):
         return None
-    matrices = [layer.matrix for layer in layers]
+    matrices = [layer.matrix for layer in linears]
     if not all(matrices[0].stacks_with(matrix) for matrix in matrices[1:]):
         return None
     stacked = QuantizedMatrix.stacked(matrices)
     start = 0
-    for layer, matrix in zip(layers, matrices, strict=True):
+    for layer, matrix in zip(linears, matrices, strict=True):
         layer.matrix = stacked.rows_slice(start, start + matrix.rows)
         start += matrix.rows
-    biases = [layer.bias for layer in layers]
+    biases = [layer.bias for layer in linears]
     if all(bias is None for bias in biases):
         return StackedProjections(stacked, None)
     filled = [torch.zeros(m.rows) if bias is None else bias for bias, m in zip(biases, matrices, strict=True)]
