@@ -23,12 +23,17 @@ Parts (``--parts``, default all):
   (a new question now): kvshift's default reuses them from its prefix cache, llama.cpp from its
   own; ``restart``: a new question after a restart: kvshift's caches emptied, the memories' K/V
   restored from a ``MemoryStore`` (the store's default codec); llama.cpp computes them again.
+- ``prefill``: the default weights' prefill against float32's (oneDNN-packed), the one pass where
+  the quantized weights could cost time: after a warm-up call each, the arms take turns, each
+  repeat computing each prompt afresh (``reuse="none"``); the ``decode`` part's prefill row is a
+  single cold call per arm.
 - ``fidelity``: per format, over the fidelity set (LoCoMo instances of 8-12 memories and a
   question, ``benchmarks/benchdata.py``), the 24-token greedy answer compared with the float32
   engine's (``reuse="none"`` both), and the mean KL and top-1 agreement of the next-token
   distributions along the float32 answer.
 
-    python benchmarks/decode.py --llama-python /path/to/venv/bin/python        # both models, ~50 min
+    python benchmarks/decode.py --llama-python /path/to/venv/bin/python        # both models, ~1 h 45 min
+    python benchmarks/decode.py --parts prefill --repeats 3 --output benchmarks/results/decode_prefill.json
     python benchmarks/decode.py --models smollm2 --parts decode --repeats 3
 
 Prints tables and writes ``benchmarks/results/decode.json``.
@@ -186,6 +191,24 @@ def decode_part(
     }
 
 
+def prefill_part(name: str, engines: dict[str, KVShiftEngine], sizes: list[int], repeats: int) -> dict[str, Any]:
+    arms = {arm: engines[arm] for arm in ("default", "fp32")}
+    prompts = {size: chat_prompt(arms["default"], size) for size in sizes}
+    for engine in arms.values():  # the pool's threads started, oneDNN's kernels generated
+        engine.generate(prompts[sizes[0]], reuse="none", max_new_tokens=1)
+    times: dict[str, dict[int, list[float]]] = {arm: {size: [] for size in sizes} for arm in arms}
+    for repeat in range(repeats):
+        for size in sizes:
+            for arm, engine in arms.items():
+                times[arm][size].append(engine.generate(prompts[size], reuse="none", max_new_tokens=1).stats.ttft_s)
+            print(
+                f"  {name} prefill repeat {repeat + 1}, {size}: "
+                + ", ".join(f"{arm} {times[arm][size][-1]:.2f}s" for arm in arms),
+                flush=True,
+            )
+    return {arm: {size: spread(values) for size, values in by_size.items()} for arm, by_size in times.items()}
+
+
 def memory_turn(engine: KVShiftEngine, target: int) -> list[str]:
     """Memories of the fidelity set's conversations adding up to ``target`` tokens."""
     picked, total = [], 0
@@ -285,15 +308,18 @@ def run_model(name: str, args: argparse.Namespace) -> dict[str, Any]:
         "weights_bytes": {arm: resident_bytes(engine.model) for arm, engine in engines.items()},
         "formats": {arm: engine.runner.weights for arm, engine in engines.items()},
     }
-    with gguf_file(model) as gguf:
-        llama = Llama(args.llama_python, gguf, max(args.sizes) + TOKENS + 512, args.threads)
-        try:
-            if "decode" in args.parts:
-                report["decode"] = decode_part(name, engines, llama, args.sizes, args.repeats)
-            if "reply" in args.parts:
-                report["reply"] = reply_part(name, engines["default"], llama, args.repeats, args.reply_tokens)
-        finally:
-            llama.close()
+    if "prefill" in args.parts:
+        report["prefill"] = prefill_part(name, engines, args.sizes, args.repeats)
+    if args.parts & {"decode", "reply"}:
+        with gguf_file(model) as gguf:
+            llama = Llama(args.llama_python, gguf, max(args.sizes) + TOKENS + 512, args.threads)
+            try:
+                if "decode" in args.parts:
+                    report["decode"] = decode_part(name, engines, llama, args.sizes, args.repeats)
+                if "reply" in args.parts:
+                    report["reply"] = reply_part(name, engines["default"], llama, args.repeats, args.reply_tokens)
+            finally:
+                llama.close()
     if "fidelity" in args.parts:
         report["fidelity"] = fidelity_part(name, engines, args.fidelity)
     return report
@@ -319,6 +345,11 @@ def print_tables(results: dict[str, Any]) -> None:
                     for arm in decode["prefill_s"]
                 )
             )
+        prefill = report.get("prefill")
+        if prefill:
+            print(f"\n{name}: prefill (median s, warmed up)")
+            for arm, by_size in prefill.items():
+                print(f"  {arm:<8} " + "  ".join(f"{size}: {cell['median']:.2f}" for size, cell in by_size.items()))
         reply = report.get("reply")
         if reply:
             times = reply["reply_s"]
@@ -346,7 +377,7 @@ def print_tables(results: dict[str, Any]) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", default="smollm2,gemma")
-    parser.add_argument("--parts", default="decode,reply,fidelity")
+    parser.add_argument("--parts", default="decode,reply,fidelity", help="also: prefill")
     parser.add_argument("--sizes", default="512,2048,4096")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--fidelity", type=int, default=40, help="fidelity-set instances")
