@@ -33,15 +33,12 @@ from .prompt import FragmentSpan, PromptLayout, TokenMemo, common_prefix
 from .results import ReuseStats
 from .settings import EngineSettings
 from .stepping import OneTokenStep, one_token_step
-from .weights import QuantizedEmbedding, QuantizedLinear, apply_weight_format
+from .weights import QuantizedEmbedding, QuantizedLinear, apply_weight_format, dtype_name
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
 __all__ = ["ModelRunner"]
-
-
-_DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
 def _device_of(embeddings: torch.nn.Module) -> torch.device:
@@ -224,7 +221,7 @@ class ModelRunner:
     @property
     def kv_dtype(self) -> str:
         """The dtype the working cache, fragments and stored chunks hold K/V in (the model's)."""
-        return _DTYPE_NAMES.get(self.model.dtype, str(self.model.dtype).removeprefix("torch."))
+        return dtype_name(self.model.dtype)
 
     @property
     def decode_path(self) -> str:

@@ -43,6 +43,7 @@ __all__ = [
     "WeightFormat",
     "apply_weight_format",
     "check_weight_format",
+    "dtype_name",
     "pack_int4",
     "quantize",
     "quantize_model",
@@ -52,6 +53,7 @@ __all__ = [
 
 WeightFormat = Literal["as-shipped", "fp32", "bf16", "int8", "int4"]
 WEIGHT_FORMATS: tuple[str, ...] = ("as-shipped", "fp32", "bf16", "int8", "int4")
+_DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 QuantKind = Literal["int4", "int8"]
 
@@ -465,5 +467,10 @@ def apply_weight_format(model: torch.nn.Module, decoder: torch.nn.Module, weight
         return weights
     if quantized:
         return "quantized"
-    dtype = next(model.parameters()).dtype
-    return {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, str(dtype))
+    return dtype_name(next(model.parameters()).dtype)
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """A float dtype as the weight formats name it (``"fp32"``, ``"bf16"``, ``"fp16"``); any other
+    by PyTorch's name without its prefix."""
+    return _DTYPE_NAMES.get(dtype, str(dtype).removeprefix("torch."))
