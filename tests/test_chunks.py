@@ -146,6 +146,35 @@ def test_a_chunk_of_another_model_or_codec_is_never_read(tmp_path, tokenizer):
     assert _engine(tokenizer).generate(QUESTION, kv_store=int8, tenant="alice").stats.restored_tokens == 0
 
 
+def _largest_gap(engine, prompt, continuation, tenant, **options) -> float:
+    scored = engine.score(prompt, continuation=continuation, tenant=tenant, **options)
+    exact = engine.score(prompt, continuation=continuation, reuse="none", tenant=tenant)
+    return max(abs(a - b) for a, b in zip(scored, exact, strict=True))
+
+
+@pytest.mark.parametrize("codec", ["int8", "int4", "fp16"])
+def test_k_v_restored_through_a_lossy_codec_is_never_served_or_stored_as_exact(tmp_path, tokenizer, codec):
+    lossy = _store(tmp_path, "lossy", codec=codec)
+    _written(_engine(tokenizer), lossy)
+    later = _engine(tokenizer)
+    restored = later.generate(QUESTION, kv_store=lossy, tenant="alice", max_new_tokens=4)
+    assert restored.stats.restored_tokens > 0  # the default ("auto") takes the lossy chunks
+    answer = restored.token_ids
+    # an exact call after it reuses none of what was restored, from the process or from the store
+    assert _largest_gap(later, QUESTION, answer, "alice", reuse="prefix") < 1e-5
+    assert _largest_gap(later, QUESTION, answer, "alice", reuse="prefix", kv_store=lossy) < 1e-5
+    assert later.score(QUESTION, continuation=answer, reuse="prefix", kv_store=lossy, tenant="alice").stats.restored_tokens == 0
+    # nor does an exact store take it as exact: a new process's exact call restores none of it
+    exact_store = _store(tmp_path, "exact")
+    later.generate(QUESTION, kv_store=exact_store, tenant="alice", max_new_tokens=4)
+    assert later.flush_chunks(timeout_s=60)
+    fresh = _engine(tokenizer)
+    assert _largest_gap(fresh, QUESTION, answer, "alice", reuse="prefix", kv_store=exact_store) < 1e-5
+    # while the default still reuses the restored K/V in the process: a resumed chat stays fast
+    again = later.generate(QUESTION, tenant="alice", max_new_tokens=4)
+    assert again.stats.reused_tokens == restored.stats.prompt_tokens - 1
+
+
 def test_the_cost_model_may_prefer_computing(tmp_path, tokenizer):
     store = _store(tmp_path)
     _written(_engine(tokenizer), store)

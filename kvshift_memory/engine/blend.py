@@ -21,6 +21,7 @@ from ..kv.cache import ForwardStep, ShiftCache
 from ..kv.fragment import Fragment
 from .fragments import source_of
 from .planning import PreparedPrompt
+from .prefix_cache import Exactness
 from .prompt import FragmentSpan, PromptLayout
 from .results import ReuseStats
 from .settings import EngineSettings
@@ -45,7 +46,7 @@ def prefill_blend(
     ratio: float,
     stats: ReuseStats,
     reused: int,
-    exact_until: int,
+    exactness: Exactness,
     new_spans: list[FragmentSpan],
     auto: bool,
 ) -> PreparedPrompt:
@@ -85,7 +86,7 @@ def prefill_blend(
         _count(runner, layout, stats, new_spans, origins, recomputed)
         stats.recomputed_tokens = int(recomputed.sum())
         stats.prefilled_tokens = n - reused - stats.recomputed_tokens
-        return PreparedPrompt(cache, logits[-1], stats, exact_until, recomputed, _unencoded(new_spans, origins))
+        return PreparedPrompt(cache, logits[-1], stats, exactness, recomputed, _unencoded(new_spans, origins))
     runner.prefill_exact(cache, ids, reused, first, logits="none")
     placed: list[FragmentSpan] = []
     fragments: list[Fragment] = []
@@ -110,7 +111,7 @@ def prefill_blend(
             keys, values = cache.buffer(layer)
             keys[..., start:end, :].zero_()
             values[..., start:end, :].zero_()
-    exact_until = min(exact_until, first)  # not past a lead fragment: one from a store went through its codec
+    exactness = exactness.blended_from(first)  # not past a lead fragment: one from a store went through its codec
     candidate_total = sum(span.end - span.start for span in shifted)
     count = min(recompute_count(runner.settings, candidate_total, ratio), candidate_total)
     forced = (
@@ -157,7 +158,7 @@ def prefill_blend(
     _count(runner, layout, stats, new_spans, origins, recomputed)
     stats.recomputed_tokens = int(chosen.numel())
     stats.prefilled_tokens = (first - reused) + (n - tail)
-    return PreparedPrompt(cache, logits[-1], stats, exact_until, recomputed, _unencoded(new_spans, origins))
+    return PreparedPrompt(cache, logits[-1], stats, exactness, recomputed, _unencoded(new_spans, origins))
 
 
 def _planned_origin(runner: ModelPasses, layout: PromptLayout, span: FragmentSpan, auto: bool) -> str:

@@ -36,7 +36,7 @@ from ..kv.codec import CodecSpec, decode_fragment, encode_fragment
 from ..kv.fragment import Fragment
 from ..protocols import ChunkStore
 from .costs import CostModel
-from .prefix_cache import whole_spans
+from .prefix_cache import Exactness, whole_spans
 from .prompt import PromptLayout, common_prefix
 
 __all__ = ["ChunkWriter", "StoredChunks"]
@@ -94,11 +94,11 @@ def _header(identity: _Identity, key: str, exact: bool) -> dict[str, str]:
 
 @dataclass(frozen=True)
 class Restored:
-    """What :meth:`StoredChunks.restore` placed: slots up to ``end``, exact until ``exact_until``;
+    """What :meth:`StoredChunks.restore` placed: slots up to ``end``, how far they are exact;
     ``rejected`` stored blobs refused."""
 
     end: int
-    exact_until: int
+    exactness: Exactness
     rejected: int
 
 
@@ -108,6 +108,11 @@ class StoredChunks:
     A conversation is stored as full chunks, and its *tail* (what follows the last full chunk)
     under a key of the chain before it: the next turn restores it too, up to where its tokens
     and the new prompt's part (any prefix of a chunk's K/V is the K/V of that prefix).
+
+    K/V read through a lossy codec (``int8``, ``int4``; ``fp16`` for a model that does not run in
+    it) is close to what was stored, not equal: it is never counted as exact, so an exact call
+    (``reuse="prefix"``) reads none of it, and what follows it is never stored as exact in a store
+    whose codec would hand it back as such.
 
     :param fingerprint: the model's; ``geometry``: ``(num_layers, kv_heads, head_dim)``; ``dtype``: the model's.
     :param chunk_tokens: tokens per chunk.
@@ -135,22 +140,32 @@ class StoredChunks:
     def identity(self, store: ChunkStore, tenant: str) -> _Identity:
         return _Identity(self.fingerprint, tenant, CodecSpec(store.codec, store.group_size))
 
-    def restore(self, store: ChunkStore, cache: ShiftCache, layout: PromptLayout, start: int, blend: bool) -> Restored:
+    def lossless(self, store: ChunkStore) -> bool:
+        """Whether ``store``'s codec hands this model's K/V back bit for bit."""
+        return store.codec == "fp32" or (store.codec == "fp16" and self.dtype == torch.float16)
+
+    def restore(
+        self, store: ChunkStore, cache: ShiftCache, layout: PromptLayout, start: int, blend: bool, lossy: bool
+    ) -> Restored:
         """Read the stored chunks that continue slots ``[0, start)`` of ``layout``'s prompt into ``cache``.
 
         Full chunks are read in order while each is stored, checks out and is cheaper to read than
         to compute, then the tail stored after the last of them; blended K/V only when ``blend``
-        and past the prompt's anchor. An end inside a memory moves back to its start (a memory is
-        placed whole); the last prompt token is always left to run, for its logits.
+        and past the prompt's anchor; from a store with a lossy codec only when ``lossy``. An end
+        inside a memory moves back to its start (a memory is placed whole); the last prompt token
+        is always left to run, for its logits.
 
-        :returns: where the restored K/V ends (``start`` when nothing was), and until where it is exact.
+        :returns: where the restored K/V ends (``start`` when nothing was), and how far it is exact.
         """
         ids, n, size = layout.token_ids, layout.length, self.chunk_tokens
+        lossless = self.lossless(store)
+        if not lossless and not lossy:
+            return Restored(start, Exactness.whole(n), 0)
         chunks = (n - 1) // size  # the full chunks before the last prompt token
         identity = self.identity(store, layout.tenant)
         digests = _chain(identity, ids, size, chunks)
         loaded: list[Fragment] = []
-        exact_until, rejected = n, 0
+        exactness, rejected = Exactness.whole(n), 0
         index = start // size
         while not self.costs.recompute_cheaper(size):
             tail = index >= chunks
@@ -162,7 +177,9 @@ class StoredChunks:
             if fragment is None:
                 break
             if not exact:
-                exact_until = min(exact_until, index * size)
+                exactness = exactness.blended_from(index * size)
+            elif not lossless:
+                exactness = exactness.lossy_from(index * size)
             loaded.append(fragment)
             if tail:
                 break
@@ -170,7 +187,7 @@ class StoredChunks:
         reached = loaded[-1].base_position + loaded[-1].n_tokens if loaded else start
         end = whole_spans(layout, min(reached, n - 1))
         if end <= start:
-            return Restored(start, n, rejected)
+            return Restored(start, Exactness.whole(n), rejected)
         with torch.inference_mode():
             for fragment in loaded:
                 low, high = max(fragment.base_position, start), min(fragment.base_position + fragment.n_tokens, end)
@@ -179,7 +196,9 @@ class StoredChunks:
                 window = slice(low - fragment.base_position, high - fragment.base_position)
                 for layer, (keys, values) in enumerate(zip(fragment.keys, fragment.values, strict=True)):
                     cache.write(layer, low, keys[..., window, :], values[..., window, :])
-        return Restored(end, exact_until if exact_until < end else n, rejected)
+        # a bound at or past ``end`` falls in what the call computes itself
+        exact, unblended = (bound if bound < end else n for bound in (exactness.exact_until, exactness.unblended_until))
+        return Restored(end, Exactness(exact, unblended), rejected)
 
     def _read_either(
         self,
@@ -254,17 +273,21 @@ class StoredChunks:
         return _prefix(fragment, shared), 0
 
     def save_later(
-        self, store: ChunkStore, tenant: str, cache: ShiftCache, ids: torch.Tensor, filled: int, exact_until: int
+        self, store: ChunkStore, tenant: str, cache: ShiftCache, ids: torch.Tensor, filled: int, exactness: Exactness
     ) -> None:
         """Queue the K/V of slots ``[0, filled)`` for writing to ``store``: the full chunks not yet
         known to be there, and the tail after them.
 
+        A chunk is stored as exact when its slots are, or, in a store whose codec is lossy anyway
+        (whatever it hands back is served as approximate), when they were restored through a
+        lossy codec; else as blended.
         ``cache``'s slots are kept as views (nothing writes there again); the writer encodes them.
         """
         size = self.chunk_tokens
         chunks = filled // size
         identity = self.identity(store, tenant)
         digests = _chain(identity, ids, size, chunks)
+        exact_until = exactness.exact_until if self.lossless(store) else exactness.unblended_until
         jobs = []
         for index in range(chunks + 1):
             end = min((index + 1) * size, filled)

@@ -12,6 +12,7 @@ import torch
 from .. import inputs
 from ..kv.cache import ForwardStep
 from .planning import PromptPlan
+from .prefix_cache import Exactness
 from .results import GenerationResult, ReuseStats, ScoreResult
 
 if TYPE_CHECKING:
@@ -163,8 +164,11 @@ def generate_steps(
     finally:
         all_ids = torch.cat([layout.token_ids, torch.tensor(generated, dtype=torch.long, device="cpu")])
         # decoding after an exact prompt is exact too: the next turn may reuse the reply as well
-        exact_until = filled if prepared.exact_until >= n else prepared.exact_until
-        runner.keep(plan, cache, all_ids, filled, exact_until)
+        exact, unblended = (
+            filled if bound >= n else bound
+            for bound in (prepared.exactness.exact_until, prepared.exactness.unblended_until)
+        )
+        runner.keep(plan, cache, all_ids, filled, Exactness(exact, unblended))
 
 
 @torch.inference_mode()

@@ -13,6 +13,7 @@ if TYPE_CHECKING:
     from .costs import CostModel
     from .fragments import FragmentCache
     from .planning import PreparedPrompt, PromptPlan
+    from .prefix_cache import Exactness
     from .prompt import FragmentSpan, PromptLayout
     from .settings import EngineSettings
 
@@ -79,5 +80,7 @@ class ModelPasses(Protocol):
         :returns: the fragment tokens encoded.
         """
 
-    def keep(self, plan: PromptPlan, cache: ShiftCache, token_ids: torch.Tensor, filled: int, exact_until: int) -> None:
+    def keep(
+        self, plan: PromptPlan, cache: ShiftCache, token_ids: torch.Tensor, filled: int, exactness: Exactness
+    ) -> None:
         """Remember a finished call's K/V for prefix reuse (and its store's chunks, when it has one)."""

@@ -21,6 +21,7 @@ from ..kv.cache import ShiftCache
 from ..messages import Message
 from ..protocols import ChunkStore
 from .families import PositionScheme
+from .prefix_cache import Exactness
 from .prompt import FragmentSpan, PromptLayout, ScopedTokens, TokenMemo, build_layout
 from .results import ReuseMode, ReuseStats
 from .settings import EngineSettings
@@ -63,8 +64,8 @@ class PreparedPrompt:
     cache: ShiftCache
     logits: torch.Tensor
     stats: ReuseStats
-    #: slots before this hold exactly what full recompute would (a later prompt may reuse them)
-    exact_until: int
+    #: how far the slots hold what full recompute would (a later prompt may reuse them)
+    exactness: Exactness
     #: which slots the blend recomputed (all ``False`` for shift only; ``None`` when no memory was
     #: placed, as for ``reuse="none"``)
     recomputed: torch.Tensor | None = None

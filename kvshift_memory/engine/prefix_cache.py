@@ -17,7 +17,7 @@ from ..kv.cache import ShiftCache
 from .pool import BytePool
 from .prompt import PromptLayout, common_prefix
 
-__all__ = ["PrefixCache", "PrefixEntry", "whole_spans"]
+__all__ = ["Exactness", "PrefixCache", "PrefixEntry", "whole_spans"]
 
 # A cut-out stretch is reused only when what follows it runs this long: shorter runs save little,
 # and short token matches are as likely to be chance.
@@ -28,14 +28,40 @@ _MATCH_PROBE = 8
 Rotate = Callable[[ShiftCache, int, torch.Tensor], None]
 
 
+@dataclass(frozen=True)
+class Exactness:
+    """How far a cache's slots can be trusted: before ``exact_until`` they hold what full
+    recompute would; before ``unblended_until`` they are that or K/V restored through a store's
+    lossy codec (int8, int4, fp16): close, but never served as exact (never to a ``"prefix"``
+    call, never written to a store as exact); from there on a blend placed them."""
+
+    exact_until: int
+    unblended_until: int
+
+    @classmethod
+    def whole(cls, length: int) -> Exactness:
+        return cls(length, length)
+
+    def blended_from(self, slot: int) -> Exactness:
+        return Exactness(min(self.exact_until, slot), min(self.unblended_until, slot))
+
+    def lossy_from(self, slot: int) -> Exactness:
+        return Exactness(min(self.exact_until, slot), self.unblended_until)
+
+    def join(self, other: Exactness) -> Exactness:
+        return Exactness(min(self.exact_until, other.exact_until), min(self.unblended_until, other.unblended_until))
+
+
 @dataclass(eq=False)
 class PrefixEntry:
-    """One cached prompt: its ids, K/V views of its slots, and how many of them are exact."""
+    """One cached prompt: its ids, K/V views of its slots, how many of them are exact, and how
+    many are exact or restored through a store's lossy codec (never blended)."""
 
     tenant: str
     token_ids: torch.Tensor
     kv: list[tuple[torch.Tensor, torch.Tensor]]
     exact_length: int
+    unblended_length: int
     nbytes: int
 
 
@@ -67,41 +93,59 @@ class PrefixCache:
             self._pool.get(id(best))  # mark as recently used
         return best, best_len
 
-    def remember(self, tenant: str, cache: ShiftCache, ids: torch.Tensor, filled: int, exact_until: int) -> None:
+    def remember(self, tenant: str, cache: ShiftCache, ids: torch.Tensor, filled: int, exactness: Exactness) -> None:
         """Keep slots ``[0, filled)`` of ``cache`` for ``tenant`` (views, no copy: nothing writes there again)."""
         if filled == 0 or self._pool.capacity_bytes <= 0:
             return
+        exact, unblended = min(exactness.exact_until, filled), min(exactness.unblended_until, filled)
         known, common = self.lookup(tenant, ids[:filled])
-        if known is not None and common == filled and known.exact_length >= min(exact_until, filled):
+        if (
+            known is not None
+            and common == filled
+            and known.exact_length >= exact
+            and known.unblended_length >= unblended
+        ):
             return  # already cached (every fragment encode re-reads the same prefix): keep one copy
         kv = cache.view(0, filled)
         nbytes = sum(k.untyped_storage().nbytes() + v.untyped_storage().nbytes() for k, v in kv)
-        entry = PrefixEntry(tenant, ids[:filled].clone(), kv, min(exact_until, filled), nbytes)
+        entry = PrefixEntry(tenant, ids[:filled].clone(), kv, exact, unblended, nbytes)
         self._pool.put(id(entry), entry)
 
     def reuse(
-        self, cache: ShiftCache, layout: PromptLayout, mode: str, rotate: Rotate, shift_cuts: bool = True
-    ) -> tuple[int, int, int]:
+        self,
+        cache: ShiftCache,
+        layout: PromptLayout,
+        mode: str,
+        rotate: Rotate,
+        shift_cuts: bool = True,
+        lossy: bool = False,
+    ) -> tuple[int, Exactness, int]:
         """Copy the longest usable cached prefix of ``layout`` into ``cache``.
 
         :param mode: ``"prefix"`` (exact slots only) or ``"blend"`` (also slots an earlier blend
             placed, and with ``shift_cuts`` a prompt's stretch after a cut, shifted with ``rotate``).
-        :returns: (tokens reused, exact until, of the reused those shifted from a later position).
+        :param lossy: under ``"prefix"``, also slots restored through a store's lossy codec.
+        :returns: (tokens reused, how far the cache is exact, of the reused those shifted from a later position).
         """
         ids, n = layout.token_ids, layout.length
         entry, common = self.lookup(layout.tenant, ids)
         if entry is None:
-            return 0, n, 0
-        if mode == "prefix" or entry.exact_length < min(common, layout.anchor_length):
+            return 0, Exactness.whole(n), 0
+        if mode == "prefix":
+            common = min(common, entry.unblended_length if lossy else entry.exact_length)
+        elif entry.exact_length < min(common, layout.anchor_length):
             # Fragments are encoded against the prefix, so the prefix itself must be exact.
             common = min(common, entry.exact_length)
         reused = whole_spans(layout, min(common, n - 1))  # the last prompt token is always run, for its logits
         if reused <= 0:
-            return 0, n, 0
+            return 0, Exactness.whole(n), 0
         with torch.inference_mode():
             for layer, (keys, values) in enumerate(entry.kv):
                 cache.write(layer, 0, keys[..., :reused, :], values[..., :reused, :])
-        exact_until = n if reused <= entry.exact_length else entry.exact_length
+        exactness = Exactness(
+            n if reused <= entry.exact_length else entry.exact_length,
+            n if reused <= entry.unblended_length else entry.unblended_length,
+        )
         shifted = 0
         if mode == "blend" and shift_cuts:  # from ``reused``, not ``common``: a cut may fall inside a memory's span
             donor, source, run = self._cut_out_run(layout.tenant, ids, reused)
@@ -112,11 +156,11 @@ class PrefixCache:
                         stretch = slice(source, source + shifted)
                         cache.write(layer, reused, keys[..., stretch, :], values[..., stretch, :])
                     rotate(cache, reused, torch.full((shifted,), reused - source, device="cpu"))
-                exact_until = min(exact_until, reused)
+                exactness = exactness.blended_from(reused)
                 reused += shifted
             else:
                 shifted = 0
-        return reused, exact_until, shifted
+        return reused, exactness, shifted
 
     def _cut_out_run(self, tenant: str, ids: torch.Tensor, start: int) -> tuple[PrefixEntry | None, int, int]:
         """Where ``ids[start:]`` continues in a cached prompt of ``tenant`` that shares ``ids[:start]`` after a cut.

@@ -28,7 +28,7 @@ from .native import kernels
 from .packing import pack_linear_layers
 from .passes import Logits
 from .planning import PreparedPrompt, PromptPlan
-from .prefix_cache import PrefixCache
+from .prefix_cache import Exactness, PrefixCache
 from .prompt import FragmentSpan, PromptLayout, TokenMemo, common_prefix
 from .results import ReuseStats
 from .settings import EngineSettings
@@ -135,17 +135,21 @@ class ModelRunner:
             weights=self.weights,
             kv_dtype=self.kv_dtype,
         )
-        reused, exact_until, shifted = (
-            (0, n, 0)
+        # only what the caller left to the engine may read K/V that went through a store's lossy codec
+        lossy = plan.requested_reuse in ("auto", "blend")
+        reused, exactness, shifted = (
+            (0, Exactness.whole(n), 0)
             if mode == "none"
             # "auto" keeps the conversation exact: no window shifted in from behind a cut
-            else self.prefix_cache.reuse(cache, layout, mode, self.rotate, shift_cuts=plan.requested_reuse != "auto")
+            else self.prefix_cache.reuse(
+                cache, layout, mode, self.rotate, shift_cuts=plan.requested_reuse != "auto", lossy=lossy
+            )
         )
         if plan.kv_store is not None and mode != "none" and shifted == 0 and reused < n - 1:
-            restored = self.chunks.restore(plan.kv_store, cache, layout, reused, mode == "blend")
+            restored = self.chunks.restore(plan.kv_store, cache, layout, reused, mode == "blend", lossy)
             stats.restored_tokens = restored.end - reused
             stats.chunks_rejected = restored.rejected
-            exact_until = min(exact_until, restored.exact_until)
+            exactness = exactness.join(restored.exactness)
             reused = restored.end
         stats.reused_tokens = reused
         stats.shifted_tokens = shifted
@@ -163,9 +167,9 @@ class ModelRunner:
         if not new_spans:
             logits = self.prefill_exact(cache, ids, reused, n)
             stats.prefilled_tokens = n - reused
-            return PreparedPrompt(cache, logits[-1], stats, exact_until)
+            return PreparedPrompt(cache, logits[-1], stats, exactness)
         auto = plan.requested_reuse == "auto"
-        return prefill_blend(self, cache, layout, ratio, stats, reused, exact_until, new_spans, auto)
+        return prefill_blend(self, cache, layout, ratio, stats, reused, exactness, new_spans, auto)
 
     def encode_missed(self, layout: PromptLayout, spans: list[FragmentSpan]) -> int:
         """Encode the fragments of memories a prompt found none for (after its conditioning), so
@@ -258,7 +262,7 @@ class ModelRunner:
         cache = ShiftCache(self.num_layers, n + room, self.device)
         reused, _, _ = self.prefix_cache.reuse(cache, PromptLayout(ids, (), ids, tenant), "prefix", self.rotate)
         self.prefill_exact(cache, ids, reused, n, logits="none")
-        self.prefix_cache.remember(tenant, cache, ids, n, n)
+        self.prefix_cache.remember(tenant, cache, ids, n, Exactness.whole(n))
         return cache
 
     @torch.inference_mode()
@@ -414,12 +418,14 @@ class ModelRunner:
         # the answer is out: the memories that missed get their fragments for the next call
         return self.encode_missed(layout, unencoded)
 
-    def keep(self, plan: PromptPlan, cache: ShiftCache, token_ids: torch.Tensor, filled: int, exact_until: int) -> None:
+    def keep(
+        self, plan: PromptPlan, cache: ShiftCache, token_ids: torch.Tensor, filled: int, exactness: Exactness
+    ) -> None:
         """Remember a finished call's K/V for prefix reuse (and its store's chunks, when it has one)."""
         tenant = plan.layout.tenant
-        self.prefix_cache.remember(tenant, cache, token_ids, filled, exact_until)
+        self.prefix_cache.remember(tenant, cache, token_ids, filled, exactness)
         if plan.kv_store is not None:
-            self.chunks.save_later(plan.kv_store, tenant, cache, token_ids, filled, exact_until)
+            self.chunks.save_later(plan.kv_store, tenant, cache, token_ids, filled, exactness)
 
     def clear(self, *, prefixes: bool, fragments: bool) -> None:
         """Forget cached prompt prefixes (and which chunks were written) and/or fragments."""
