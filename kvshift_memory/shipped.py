@@ -168,12 +168,20 @@ def shipped_model(name: str) -> ShippedModel | None:
     return SHIPPED_MODELS.get(name.strip().lower()) if isinstance(name, str) else None
 
 
+def named_model(name_or_path: str | os.PathLike | None) -> ShippedModel | None:
+    """The shipped model a loader's argument names: the default for ``None``, the one called
+    ``name_or_path`` for a string that is a shipped model's name, else ``None`` (a path or a hub
+    id). A shipped name always means the shipped model, whatever the working folder holds: a
+    local folder of that name is reached as ``"./name"`` or a :class:`~pathlib.Path`."""
+    if name_or_path is None:
+        return SHIPPED_MODELS[DEFAULT_MODEL]
+    return shipped_model(name_or_path) if isinstance(name_or_path, str) else None
+
+
 def context_window(name_or_path: str | os.PathLike | None) -> int | None:
     """The model's context window in tokens, read from its config without loading weights;
     ``None`` when there is no config to read offline."""
-    if name_or_path is None:
-        return SHIPPED_MODELS[DEFAULT_MODEL].context_window
-    shipped = shipped_model(str(name_or_path))
+    shipped = named_model(name_or_path)
     if shipped is not None:
         return shipped.context_window
     from transformers import AutoConfig  # reads config.json only: no weights

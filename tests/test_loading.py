@@ -8,6 +8,7 @@ import json
 import sys
 
 import pytest
+import torch
 
 from conftest import TINY_CONFIGS, tiny_model, vision_language
 from kvshift_memory import KVShiftEngine, ModelLoadError, ModelNotFoundError
@@ -350,3 +351,51 @@ def test_a_hub_id_not_cached_offline_is_a_clear_error_in_process():
     with pytest.raises(ModelNotFoundError, match="hf download nobody/not-cached") as raised:
         KVShiftEngine.from_pretrained("nobody/not-cached")
     assert "HF_HUB_OFFLINE" in str(raised.value)
+
+
+def test_a_model_with_a_few_retuned_rows_has_a_fingerprint_of_its_own(tmp_path, tokenizer):
+    """A fine-tune or merged LoRA must never read the base model's K/V: every byte is digested."""
+    from kvshift_memory.engine.fingerprint import model_fingerprint
+
+    base = tiny_model(TINY_CONFIGS["llama"](), seed=0)
+    retuned = tiny_model(TINY_CONFIGS["llama"](), seed=0)
+    embeddings = retuned.get_input_embeddings().weight
+    rows = torch.arange(1, embeddings.shape[0], 11)[:20]  # rows a strided sample skips
+    with torch.no_grad():
+        embeddings.data[rows, -1] += 1e-3  # through .data, as LoRA merges do: no version bump
+    assert model_fingerprint(retuned, tokenizer) != model_fingerprint(base, tokenizer)
+    one_byte = tiny_model(TINY_CONFIGS["llama"](), seed=0)
+    with torch.no_grad():
+        norm = one_byte.model.layers[1].post_attention_layernorm.weight
+        norm.data.view(torch.int32)[-1] ^= 1  # the lowest bit of the last value
+    assert model_fingerprint(one_byte, tokenizer) != model_fingerprint(base, tokenizer)
+    assert model_fingerprint(tiny_model(TINY_CONFIGS["llama"](), seed=0), tokenizer) == model_fingerprint(base, tokenizer)
+
+    # loaded from a folder: the digest is kept per file identity, and a file written again is digested again
+    base.save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    first = KVShiftEngine.from_pretrained(tmp_path / "model")
+    assert first.fingerprint == model_fingerprint(first.model, first.tokenizer)  # packed: same digest
+    assert KVShiftEngine.from_pretrained(tmp_path / "model").fingerprint == first.fingerprint
+    retuned.save_pretrained(tmp_path / "model")
+    again = KVShiftEngine.from_pretrained(tmp_path / "model")
+    assert again.fingerprint != first.fingerprint
+    assert again.fingerprint == model_fingerprint(again.model, again.tokenizer)
+
+
+@pytest.mark.model
+def test_the_working_folder_never_changes_which_shipped_model_loads(tmp_path, monkeypatch, bundled_engine, tokenizer):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "None").mkdir()  # what str(None) names
+    shadow = tmp_path / DEFAULT_MODEL  # a folder named like the shipped model, holding another model
+    tiny_model(TINY_CONFIGS["llama"]()).save_pretrained(shadow)
+    tokenizer.save_pretrained(shadow)
+    for name in (None, DEFAULT_MODEL, DEFAULT_MODEL.upper()):
+        assert KVShiftEngine.from_pretrained(name).fingerprint == bundled_engine.fingerprint, name
+    local = KVShiftEngine.from_pretrained(f"./{DEFAULT_MODEL}")  # the folder, asked for as one
+    assert local.fingerprint != bundled_engine.fingerprint
+    from kvshift_memory import InvalidInputError
+
+    for blank in ("", "  "):
+        with pytest.raises(InvalidInputError, match="name_or_path"):
+            KVShiftEngine.from_pretrained(blank)

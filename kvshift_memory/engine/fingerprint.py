@@ -1,4 +1,4 @@
-"""What identifies a model for its fragments: a digest of config, sampled weights and vocabulary.
+"""What identifies a model for its fragments: a digest of config, every weight and the vocabulary.
 
 Fragment keys and stored blobs carry it, so that K/V computed by one model is never read by another.
 """
@@ -14,39 +14,58 @@ import torch
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-__all__ = ["format_fingerprint", "model_fingerprint", "weight_sample"]
+__all__ = ["format_fingerprint", "model_fingerprint", "model_weights_digest", "tensor_digest"]
 
 
-def weight_sample(tensor: torch.Tensor) -> torch.Tensor:
-    """A strided subset of about 4096 of ``tensor``'s values, as float64 (what the fingerprint digests)."""
-    flat = tensor.detach().reshape(-1)
-    return flat[:: max(1, flat.numel() // 4096)].to(torch.float64).cpu()
+def tensor_digest(tensor: torch.Tensor) -> bytes:
+    """The SHA-256 of every byte of ``tensor``'s values, with its shape and dtype."""
+    data = tensor.detach().contiguous().cpu().reshape(-1)
+    sha = hashlib.sha256(f"{tuple(tensor.shape)}:{tensor.dtype}".encode())
+    sha.update(data.view(torch.uint8).numpy().data)
+    return sha.digest()
 
 
-def model_fingerprint(model: PreTrainedModel, tokenizer: Any) -> str:
+def model_fingerprint(model: PreTrainedModel, tokenizer: Any, *, weights_digest: bytes | None = None) -> str:
     """A digest of what decides a fragment's K/V: config, weights and tokenizer vocabulary.
 
-    Weights are digested by sampling every tensor's name, shape, dtype and a strided subset of
-    its values: a different checkpoint changes it, while digesting every byte would cost seconds.
-    A layer packed for oneDNN (:class:`~kvshift_memory.engine.packing.PackedLinear`) contributes
-    the sample taken from its dense weight when it was packed (its ``weight_digest``), so packing
-    leaves the digest as it was.
+    Every byte of every tensor is digested (a fine-tune that changed one row of one matrix, a
+    merged LoRA, has a fingerprint of its own); a tensor two names share (a tied embedding) is
+    read once. A layer packed for oneDNN (:class:`~kvshift_memory.engine.packing.PackedLinear`)
+    contributes the digest of its dense weight taken when it was packed (its ``weight_digest``),
+    so packing leaves the fingerprint as it was.
+
+    :param weights_digest: :func:`model_weights_digest` of ``model``, when the caller already has it
+        (:func:`~kvshift_memory.engine.loading.load_model` keeps it per weight file).
     """
-    with torch.no_grad():
-        samples = {name: (tuple(t.shape), t.dtype, weight_sample(t)) for name, t in model.state_dict().items()}
-        for name, module in model.named_modules():
-            digest = getattr(module, "weight_digest", None)
-            if digest is not None:
-                samples[f"{name}.weight" if name else "weight"] = digest
     sha = hashlib.sha256()
     sha.update(model.config.to_json_string(use_diff=False).encode())
-    for name, (shape, dtype, sample) in sorted(samples.items(), key=lambda item: item[0]):
-        sha.update(f"{name}:{shape}:{dtype}".encode())
-        sha.update(sample.numpy().tobytes())
+    sha.update(weights_digest if weights_digest is not None else model_weights_digest(model))
     vocab = tokenizer.get_vocab()
     sha.update(json.dumps(sorted(vocab.items()), ensure_ascii=False).encode())
     sha.update(str(getattr(tokenizer, "chat_template", "")).encode())
     return sha.hexdigest()[:32]
+
+
+def model_weights_digest(model: torch.nn.Module) -> bytes:
+    """The SHA-256 over every tensor of ``model``'s state (name and :func:`tensor_digest`)."""
+    digests: dict[str, bytes] = {}
+    seen: dict[tuple, bytes] = {}
+    with torch.no_grad():
+        for name, tensor in model.state_dict(keep_vars=True).items():
+            storage = tensor.untyped_storage().data_ptr()
+            same = (tensor.device, storage, tensor.storage_offset(), tensor.shape, tensor.stride(), tensor.dtype)
+            if same not in seen:
+                seen[same] = tensor_digest(tensor)
+            digests[name] = seen[same]
+        for name, module in model.named_modules():
+            digest = getattr(module, "weight_digest", None)
+            if digest is not None:
+                digests[f"{name}.weight" if name else "weight"] = digest
+    sha = hashlib.sha256()
+    for name, digest in sorted(digests.items()):
+        sha.update(f"{name}:".encode())
+        sha.update(digest)
+    return sha.digest()
 
 
 def format_fingerprint(base: str, weights: str | None) -> str:

@@ -11,6 +11,7 @@ a temporary folder, which is never loaded and is cleaned up by the next one.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -28,9 +29,9 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 
 from ..exceptions import InvalidInputError, ModelLoadError, ModelNotFoundError
-from ..shipped import DEFAULT_MODEL, SHIPPED_MODELS, ShippedModel, missing_gguf_requirements, shipped_model
+from ..shipped import DEFAULT_MODEL, SHIPPED_MODELS, ShippedModel, missing_gguf_requirements, named_model
 from .families import text_decoder
-from .fingerprint import model_fingerprint
+from .fingerprint import model_fingerprint, model_weights_digest
 from .gguf_blocks import AS_SHIPPED_FILE, load_matrices, read_gguf_matrices, save_matrices, shipped_matrices
 from .native import kernels
 from .settings import EngineSettings
@@ -296,13 +297,14 @@ def load_model(
     (from the local hub cache, downloaded into it as transformers does unless ``HF_HUB_OFFLINE``
     is set).
 
-    :param name_or_path: ``None`` for the default shipped model; a name of :data:`SHIPPED_MODELS`.
+    :param name_or_path: ``None`` for the default shipped model; a name of :data:`SHIPPED_MODELS`
+        (always the shipped model: a local folder of that name is ``"./name"``); a folder; a hub id.
     :param device: where the weights go (else where ``hf_kwargs["device_map"]`` puts them, or the CPU).
     :param weights: ``"as-shipped"`` puts a shipped model's linear layers in its GGUF blocks'
         format (:mod:`.gguf_blocks`); other formats are applied by the engine.
     :param hf_kwargs: passed to transformers' ``from_pretrained`` (``revision``,
         ``attn_implementation``, ``device_map``, ``trust_remote_code``…).
-    :raises InvalidInputError: ``"as-shipped"`` for a model that is not a shipped one.
+    :raises InvalidInputError: ``"as-shipped"`` for a model that is not a shipped one; a blank name.
     :raises ModelNotFoundError: nothing loadable at ``name_or_path``; for a shipped model, the
         message gives the install command.
     :raises ModelLoadError: the files are there but transformers could not load them.
@@ -310,12 +312,14 @@ def load_model(
     from transformers import AutoTokenizer
 
     source: str | os.PathLike[str]
-    shipped = shipped_model(str(name_or_path)) if name_or_path is not None else SHIPPED_MODELS[DEFAULT_MODEL]
-    if shipped is not None and not Path(str(name_or_path)).expanduser().exists():
+    shipped = named_model(name_or_path)
+    if shipped is not None:
         source = shipped_model_folder(shipped.name)
+    elif name_or_path is None or (isinstance(name_or_path, str) and not name_or_path.strip()):
+        raise InvalidInputError("name_or_path must name a model: a shipped one, a folder or a hub id")
     else:
-        assert name_or_path is not None
-        source = Path(name_or_path).expanduser() if Path(name_or_path).expanduser().exists() else name_or_path
+        local = Path(name_or_path).expanduser()
+        source = local if local.exists() else name_or_path
     tokenizer_kwargs = {key: hf_kwargs[key] for key in ("revision", "trust_remote_code") if key in hf_kwargs}
     if device is not None:
         hf_kwargs["device_map"] = device
@@ -327,7 +331,9 @@ def load_model(
     except (ValueError, RuntimeError, KeyError, TypeError) as exc:
         raise ModelLoadError(f"could not load {str(source)!r}: {exc}") from exc
     model.eval()
-    fingerprint = model_fingerprint(model, tokenizer)  # of the float weights: the engine adds the format
+    identity = _weights_identity(source, dtype, hf_kwargs)
+    # of the float weights, as loaded: the engine adds the format
+    fingerprint = model_fingerprint(model, tokenizer, weights_digest=_weights_digest(identity, model))
     if weights == "as-shipped":
         if shipped is None or not isinstance(source, Path):
             raise InvalidInputError(
@@ -335,7 +341,6 @@ def load_model(
                 "for another model ask for 'int4' or 'int8'"
             )
         quantize_model(model, text_decoder(model), "as-shipped", as_shipped_matrices(shipped, source, model))
-    identity = _weights_identity(source, dtype, hf_kwargs)
     return LoadedModel(model, tokenizer, str(source), fingerprint, None if identity is None else (*identity, weights))
 
 
@@ -385,15 +390,42 @@ def _not_found(source: str | os.PathLike[str], error: OSError) -> str:
 
 def _weights_identity(source: str | os.PathLike[str], dtype: Any, hf_kwargs: dict[str, Any]) -> tuple | None:
     """What names the weights loaded from ``source``: a local folder's safetensors files (their
-    sizes and modification times: a file written again is new weights), and how they were loaded."""
+    sizes, modification times and inodes: a file written again is new weights), and how they were loaded."""
     folder = Path(source)
     if not folder.is_dir():
         return None
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         return None
-    stats = tuple((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files)
+    stats = tuple((f.name, st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev) for f in files for st in (f.stat(),))
     return (str(folder.resolve()), stats, str(dtype), repr(sorted(hf_kwargs.items())))
+
+
+_DIGESTS: dict[tuple, bytes] = {}
+
+
+def _weights_digest(identity: tuple | None, model: Any) -> bytes:
+    """:func:`~.fingerprint.model_weights_digest` of a model just loaded from the files ``identity``
+    names: computed once per file identity (in this process, and under ``$KVSHIFT_HOME/digests``
+    for the next), since it reads every byte; a model not loaded from local files is digested."""
+    if identity is None:
+        return model_weights_digest(model)
+    if identity in _DIGESTS:
+        return _DIGESTS[identity]
+    path = kvshift_home() / "digests" / hashlib.sha256(repr(identity).encode()).hexdigest()
+    try:
+        digest = bytes.fromhex(path.read_text(encoding="ascii")[:64])
+    except (OSError, ValueError):
+        digest = b""
+    if len(digest) != 32:
+        digest = model_weights_digest(model)
+        with contextlib.suppress(OSError):  # a cache: without it, the digest is computed again
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, encoding="ascii") as scratch:
+                scratch.write(digest.hex())
+            os.replace(scratch.name, path)
+    _DIGESTS[identity] = digest
+    return digest
 
 
 def split_options(
@@ -424,7 +456,7 @@ def split_options(
     ):
         if value is not None:
             passed[key] = value
-    shipped = SHIPPED_MODELS.get(DEFAULT_MODEL if name_or_path is None else str(name_or_path))
+    shipped = named_model(name_or_path)
     if (
         shipped is not None
         and overrides.get("auto_shifts") is None

@@ -28,7 +28,7 @@ from contextvars import ContextVar
 import torch
 import torch.nn.functional as F
 
-from .fingerprint import weight_sample
+from .fingerprint import tensor_digest
 
 __all__ = ["PackedLinear", "pack_linear_layers", "sharing"]
 
@@ -61,7 +61,7 @@ class PackedLinear(torch.nn.Module):
 
     The dense weight is not kept, so the model's ``state_dict`` no longer holds it (the bias stays
     in it); an engine whose model must be saved is built with ``EngineSettings(pack_weights=False)``.
-    ``weight_digest`` keeps what :func:`~kvshift_memory.engine.fingerprint.model_fingerprint` samples
+    ``weight_digest`` keeps what :func:`~kvshift_memory.engine.fingerprint.model_fingerprint` digests
     of the dense weight.
     """
 
@@ -70,7 +70,7 @@ class PackedLinear(torch.nn.Module):
         self.in_features = linear.in_features
         self.out_features = linear.out_features
         dense = linear.weight.detach()
-        self.weight_digest = (tuple(dense.shape), dense.dtype, weight_sample(dense))
+        self.weight_digest = tensor_digest(dense)
         self.weight = packed if packed is not None else torch.ops.mkldnn._reorder_linear_weight(dense)
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach())
 
