@@ -21,6 +21,7 @@ import json
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import asdict
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .exceptions import KVShiftError
@@ -31,9 +32,13 @@ if TYPE_CHECKING:
 __all__ = ["main"]
 
 
-def _open_store(args: argparse.Namespace) -> MemoryStore:
+def _open_store(args: argparse.Namespace, *, create: bool = False) -> MemoryStore:
+    """The store the arguments name; unless ``create``, one that exists (a mistyped folder is an
+    error, not a new empty store)."""
     from .store import MemoryStore
 
+    if not create and args.path is not None and args.kv_url is None and not (Path(args.path) / "kv").is_dir():
+        raise KVShiftError(f"no store at {args.path!r} (a store folder holds a 'kv' folder)")
     return MemoryStore(args.path, kv_url=args.kv_url, index_url=args.index_url)
 
 
@@ -86,7 +91,7 @@ def _chat(args: argparse.Namespace) -> int:
     if args.path is None and args.kv_url is None:
         args.path = str(kvshift_home() / "store")
     engine = KVShiftEngine.from_pretrained(args.model)
-    with _open_store(args) as store:
+    with _open_store(args, create=True) as store:
         try:
             return _converse(engine, store, args)
         finally:

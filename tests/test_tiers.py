@@ -197,3 +197,65 @@ def test_a_pickled_key_planted_in_the_folder_is_never_read(tmp_path):
         tier.get("h/a/1")
     tier.close()
     assert not marker.exists()
+
+
+_HOSTILE_FILES = """
+import os, sys
+sys.path.insert(0, {tests!r})
+from store_worker import HashEmbedder
+from kvshift_memory import MemoryStore, StoreError
+
+folder = {folder!r}
+with MemoryStore(folder, embedder=HashEmbedder()) as store:
+    record = store.add("A long fact. " * 4000, tenant="alice")  # its value lives in a file of its own
+    other = store.add("Ana lives in Lisbon.", tenant="alice")
+    store.save_chunk("0" * 32, b"x" * 100_000, tenant="alice")
+    store.save_chunk("1" * 32, b"y" * 100_000, tenant="alice")
+files = sorted(os.path.join(root, name) for root, _, names in os.walk(folder) for name in names if name.endswith(".val"))
+record_file, *chunk_files = sorted(files, key=lambda path: "chunks" in path)
+for path in (record_file, chunk_files[0]):
+    os.remove(path)
+    os.mkfifo(path)  # a reader that opens it waits for a writer forever
+with open(chunk_files[1], "r+b") as sparse:
+    sparse.truncate(6 << 30)  # 6 GiB of nothing on disk
+os.makedirs(os.path.join(folder, "index"), exist_ok=True)
+os.mkfifo(os.path.join(folder, "index", "index.safetensors"))
+store = MemoryStore(folder, embedder=HashEmbedder())
+for read in (lambda: store.get(record.id, tenant="alice"), lambda: store.load_chunk("0" * 32, tenant="alice"),
+             lambda: store.load_chunk("1" * 32, tenant="alice")):
+    try:
+        print("read", read() is not None)
+    except StoreError as exc:
+        print("refused", type(exc).__name__)
+print("search", [hit.id == other.id for hit in store.search("Where does Ana live?", tenant="alice", k=1)])
+print("check", store.check().ok)
+"""
+
+
+def test_hostile_files_in_a_store_folder_are_refused_without_hanging(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = _HOSTILE_FILES.format(tests=str(Path(__file__).parent), folder=str(tmp_path / "store"))
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    # the record read as missing or refused, the chunks refused, the snapshot ignored (the log
+    # replayed), and check() reports the damage
+    assert done.stdout.splitlines() == [
+        "read False",
+        "refused CorruptRecordError",
+        "refused CorruptRecordError",
+        "search [True]",
+        "check False",
+    ], done.stdout
+
+
+def test_inspecting_a_mistyped_folder_is_an_error_that_creates_nothing(tmp_path, capsys):
+    from kvshift_memory.cli import main
+
+    for command in ("inspect", "check", "gc"):
+        assert main([command, str(tmp_path / "no-such-store")]) == 2
+        assert "no store at" in capsys.readouterr().err
+        assert main([command, str(tmp_path)]) == 2  # a folder, but not a store's
+    assert list(tmp_path.iterdir()) == []

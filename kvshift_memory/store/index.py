@@ -34,6 +34,7 @@ import json
 import logging
 import math
 import os
+import stat
 import uuid
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
@@ -357,7 +358,7 @@ class MemoryIndex(LogFollower):
                 keywords = (arrays["terms"][span].tolist(), arrays["term_values"][span].tolist())
                 self._upsert(pid, vectors[row], keywords, payload)
             state = parse_state(json.dumps(header["state"]))
-        except (SafetensorError, OSError, ValueError, KeyError, TypeError, IndexError) as exc:
+        except (SafetensorError, OSError, ValueError, KeyError, TypeError, IndexError, MemoryError) as exc:
             logger.warning("ignoring the index snapshot %s (%s): replaying the log", path, exc)
             self._reset_points()
             return
@@ -408,7 +409,15 @@ def _snapshot_header(path: str) -> dict | None:
     """The JSON header of a snapshot file, or ``None`` when there is none or it is not one of ours."""
     from safetensors import SafetensorError, safe_open
 
-    if not os.path.exists(path):
+    try:
+        status = os.lstat(path)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        logger.warning("ignoring the index snapshot %s: %s", path, exc)
+        return None
+    if not stat.S_ISREG(status.st_mode):  # a FIFO would block the reader forever; a link may lead out
+        logger.warning("ignoring the index snapshot %s: not a regular file", path)
         return None
     try:
         with safe_open(path, framework="numpy") as snapshot:

@@ -28,6 +28,7 @@ import logging
 import os
 import re
 import sqlite3
+import stat
 import threading
 import time
 from collections import OrderedDict
@@ -243,6 +244,10 @@ class HotTier:
         pass
 
 
+#: the largest value file the disk tier reads: no record, fragment or chunk the store writes comes
+#: near it, so a larger one (a sparse file planted in the folder) is refused, not read into memory
+MAX_VALUE_FILE_BYTES = 1 << 30
+
 # the only file names diskcache gives values it keeps in files (``Disk.filename``)
 _VALUE_FILE = re.compile(r"[0-9a-f]{2}/[0-9a-f]{2}/[0-9a-f]{28}\.val")
 
@@ -270,11 +275,15 @@ class _BytesOnlyDisk(diskcache.Disk):
     def fetch(self, mode: int, filename: str | None, value: Any, read: bool) -> Any:
         if mode == diskcache.core.MODE_PICKLE:
             raise CorruptRecordError("refusing a pickled value in the disk tier")
-        if filename is not None and not self._inside(filename):
+        if filename is None:
+            return super().fetch(mode, filename, value, read)
+        if not self._inside(filename):
             raise CorruptRecordError(
                 f"refusing a disk tier row whose value file {filename!r} is not one of the folder's"
             )
-        return super().fetch(mode, filename, value, read)
+        if mode != diskcache.core.MODE_BINARY or read:
+            raise CorruptRecordError(f"refusing a disk tier row of mode {mode} (values are bytes)")
+        return _value_file(os.path.join(self._directory, filename))
 
     def remove(self, file_path: str) -> None:
         if self._inside(file_path):
@@ -288,6 +297,30 @@ class _BytesOnlyDisk(diskcache.Disk):
             return False
         folder = os.path.realpath(self._directory)
         return os.path.realpath(os.path.join(folder, filename)).startswith(folder + os.sep)
+
+
+def _value_file(path: str) -> bytes:
+    """The bytes of a value file, read only when it is a regular file (not a link, a FIFO that
+    would block the reader forever, or a device) of at most :data:`MAX_VALUE_FILE_BYTES`.
+
+    :raises CorruptRecordError: anything else.
+    :raises FileNotFoundError: it was deleted meanwhile (diskcache answers the key as missing).
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))
+    except FileNotFoundError:
+        raise
+    except OSError as exc:
+        raise CorruptRecordError(f"refusing the disk tier's value file {path!r}: {exc}") from None
+    with os.fdopen(fd, "rb") as file:
+        status = os.fstat(file.fileno())
+        if not stat.S_ISREG(status.st_mode):
+            raise CorruptRecordError(f"refusing the disk tier's value file {path!r}: not a regular file")
+        if status.st_size > MAX_VALUE_FILE_BYTES:
+            raise CorruptRecordError(
+                f"refusing the disk tier's value file {path!r}: {status.st_size} bytes, over {MAX_VALUE_FILE_BYTES}"
+            )
+        return file.read(MAX_VALUE_FILE_BYTES + 1)
 
 
 class DiskTier:
@@ -352,6 +385,8 @@ class DiskTier:
 
     def set(self, key: str, value: bytes) -> None:
         value = _as_bytes(value)
+        if len(value) > MAX_VALUE_FILE_BYTES:  # it could never be read back
+            raise StoreError(f"a value of {len(value)} bytes is over the disk tier's {MAX_VALUE_FILE_BYTES}")
         with self._errors("set"):
             self._cache.set(key, value)
 
@@ -418,7 +453,7 @@ class DiskTier:
 
     def set_chunk(self, key: str, value: bytes) -> None:
         value = _as_bytes(value)
-        if len(value) > self.chunk_bytes:
+        if len(value) > min(self.chunk_bytes, MAX_VALUE_FILE_BYTES):
             return
         chunks = self._chunks(create=True)
         assert chunks is not None  # made when missing
