@@ -432,3 +432,19 @@ def test_under_auto_a_long_memory_is_encoded_as_it_is_stored_and_a_short_one_is_
     long = agent.add(BRIEF.split("\n\n")[0] * 2)
     short = agent.add("Tea, no sugar.")  # too short for shifting to pay: no fragment encoded for it
     assert encoded(long) and not encoded(short)
+
+
+def test_a_memory_too_long_for_the_context_is_left_out_not_an_overflow(tokenizer, store):
+    from conftest import TINY_CONFIGS, tiny_model
+    from kvshift_memory import KVShiftEngine
+
+    config = TINY_CONFIGS["llama"]()
+    config.max_position_embeddings = 512
+    engine = KVShiftEngine(tiny_model(config), tokenizer)
+    store.add("The spare key code is " + " ".join(f"K{i:04d}" for i in range(400)), tenant="alice")
+    fits = store.add("The spare key is under the blue pot by the door.", tenant="alice")
+    agent = _agent(engine, store, recall_min_score=-1.0, max_new_tokens=4)
+    for _ in range(3):  # every later turn recalls it too
+        reply = agent.chat("Where is the spare key?")
+        assert [record.id for record in reply.recalled] == [fits.id]
+        assert reply.stats.prompt_tokens + 4 <= engine.max_positions

@@ -41,10 +41,27 @@ def test_cuts_fall_at_the_widest_boundary_that_fits():
     assert len(sentences) > 1 and all(re.search(r"[.!?;]$", part) for part in sentences[:-1])
 
 
-def test_a_word_longer_than_the_budget_is_a_part_of_its_own():
+def test_a_word_longer_than_the_budget_is_cut_inside_into_parts_that_fit():
     text = "short words then " + "x" * 5000 + " and more"
     parts = split_document(text, 4, count_tokens=len)  # characters as tokens
-    assert "x" * 5000 in parts and "".join(parts).replace(" ", "") == text.replace(" ", "")
+    assert all(len(part) <= 4 for part in parts)
+    assert "".join(parts).replace(" ", "") == text.replace(" ", "")
+    assert "".join(part for part in parts if set(part) == {"x"}) == "x" * 5000
+
+
+def test_an_unsplittable_word_becomes_parts_within_the_model_tokens(tokenizer):
+    import random
+    import string
+
+    rng = random.Random(0)
+    blob = "".join(rng.choice(string.ascii_letters + string.digits + "+/") for _ in range(43_500))  # base64-like
+
+    def count(text: str) -> int:
+        return len(tokenizer(text, add_special_tokens=False).input_ids)
+
+    parts = split_document(f"Attached key: {blob} (end).", 200, count)
+    assert max(count(part) for part in parts) <= 200
+    assert "".join(parts[1:-1]).startswith(blob[:1000]) and blob in "".join(parts)
 
 
 def test_splitting_counts_linearly_in_the_text():

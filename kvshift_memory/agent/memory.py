@@ -612,6 +612,7 @@ class AgentMemory:
                 recalled = self._recall(
                     message, self._visible(turns) | ({(correction.id, correction.version)} if correction else set())
                 )
+        recalled = self._fitting(message, recalled, turns, max_new_tokens)
         messages = self._system_messages()
         for turn in turns:
             messages.extend(turn.messages())
@@ -623,6 +624,17 @@ class AgentMemory:
         return TurnPlan(
             message, recalled, corrected, correction, forget, turns, evicted, messages, retrieval_s, ambiguous
         )
+
+    def _fitting(self, message: str, recalled: list[Any], turns: list[Turn], max_new_tokens: int) -> list[Any]:
+        """``recalled`` without the least relevant memories that would not fit the model's context
+        beside the system prompt, the window, the message and the reply (a memory stored before
+        parts had a bound, or one longer than the model reads, is left out, never an overflow)."""
+        system = self.settings.system_prompt
+        room = self.engine.max_positions - (self._tokens(system) + _MESSAGE_OVERHEAD if system else 0)
+        room -= sum(t.tokens for t in turns) + _MESSAGE_OVERHEAD + max_new_tokens
+        while recalled and self._tokens(message, recalled) > room:
+            recalled = recalled[1:]  # most relevant last: the first is the least
+        return recalled
 
     def _commit(self, plan: TurnPlan, result: Any, text: str, stats: Any) -> Reply:
         """Write the finished turn back: window, archive, stats. Runs once per turn, under the lock."""

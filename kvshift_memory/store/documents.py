@@ -1,9 +1,10 @@
 """Splitting a long document into memories: consecutive parts of at most so many tokens.
 
 A part ends at the largest boundary that keeps it within the budget: a paragraph (a blank line),
-else a line, else a sentence, else a word; a single word longer than the budget is a part of its
-own (it cannot be cut without changing the text). Only the whitespace at a cut is dropped: nothing
-of the text is lost or reworded.
+else a line, else a sentence, else a word; a single word longer than the budget (a long URL, a
+base64 blob) is cut inside, into pieces that each fit: no part is ever over the budget, so none is
+too long to be recalled. Only the whitespace at a cut is dropped: nothing of the text is lost or
+reworded, and the pieces of a cut word, joined, are the word.
 """
 
 from __future__ import annotations
@@ -15,6 +16,10 @@ from .records import MemoryRecord
 
 __all__ = ["approximate_tokens", "in_document_order", "split_document"]
 
+# a token spans at most this many characters (in any tokenizer the engine meets), so a piece of a
+# word is looked for among prefixes no longer than this many characters per token of budget: a
+# wrong guess only makes a piece shorter than it could be, never longer than the budget
+_MAX_TOKEN_CHARS = 64
 # from the widest boundary to the narrowest; each pattern's match is the whitespace a cut removes
 _BOUNDARIES = (re.compile(r"\n\s*\n\s*"), re.compile(r"\n\s*"), re.compile(r"(?<=[.!?])\s+"), re.compile(r"\s+"))
 _TOKEN = re.compile(r"\w+|[^\w\s]")
@@ -34,8 +39,10 @@ def split_document(text: str, max_tokens: int, count_tokens: Callable[[str], int
 
 
 def _split(text: str, max_tokens: int, count_tokens: Callable[[str], int], level: int) -> list[str]:
-    if not text or count_tokens(text) <= max_tokens or level == len(_BOUNDARIES):
+    if not text or count_tokens(text) <= max_tokens:
         return [text]
+    if level == len(_BOUNDARIES):
+        return _cut_word(text, max_tokens, count_tokens)
     pieces = _BOUNDARIES[level].split(text)
     if len(pieces) == 1:
         return _split(text, max_tokens, count_tokens, level + 1)
@@ -58,6 +65,25 @@ def _split(text: str, max_tokens: int, count_tokens: Callable[[str], int], level
     if current:
         parts.append(current)
     return parts
+
+
+def _cut_word(word: str, max_tokens: int, count_tokens: Callable[[str], int]) -> list[str]:
+    """``word`` (no boundary inside) in consecutive pieces of at most ``max_tokens`` tokens (a piece
+    is one character at least, should that one character alone be over), each the longest a binary
+    search finds among prefixes up to twice the previous piece."""
+    pieces: list[str] = []
+    while word:
+        longest = max_tokens * _MAX_TOKEN_CHARS if not pieces else 2 * len(pieces[-1])
+        low, high = 1, min(len(word), longest)
+        while low < high:  # the longest prefix within the budget
+            middle = (low + high + 1) // 2
+            if count_tokens(word[:middle]) <= max_tokens:
+                low = middle
+            else:
+                high = middle - 1
+        pieces.append(word[:low])
+        word = word[low:]
+    return pieces
 
 
 def in_document_order(records: Sequence[MemoryRecord]) -> list[MemoryRecord]:
