@@ -65,6 +65,10 @@ __all__ = [
 #: template, a plain transcript
 TemplateStyle = Literal["system", "fold", "plain"]
 
+# what a tool field may hold and still be written by the template as it is: no character a
+# template token is made of (``<|im_end|>``, ``[INST]``, ``<start_of_turn>``), no line break
+_PLAIN_FIELD = re.compile(r"[\w .,:;/=+\-'()?!@#%&*]*")
+
 
 def digest_ids(ids: Sequence[int]) -> str:
     """A stable digest of a token id sequence."""
@@ -363,6 +367,21 @@ def build_layout(
         contents[key] = (text, is_memory, ids)
         return key
 
+    def as_text(value: Any) -> Any:
+        """A caller's tool field (a call's name, id and arguments, a tool's schema and description)
+        with every string in it that could read as template tokens made a content: tokenised as
+        text, as a message's content is, wherever the template writes it (as is, or in JSON).
+        Plain words (``"function"``, ``"object"``, a tool's name) stay as they are: templates
+        compare them."""
+        if isinstance(value, str):
+            plain = _PLAIN_FIELD.fullmatch(value) and tokens.encode(value, split_special=False) == tokens.encode(value)
+            return value if plain else sentinel(value)
+        if isinstance(value, dict):
+            return {as_text(key): as_text(item) for key, item in value.items()}
+        if isinstance(value, list):
+            return [as_text(item) for item in value]
+        return value
+
     header = f"\n\n{memory_header}\n"
     if messages[0]["role"] == "system":
         system_text, rest = messages[0]["content"], messages[1:]
@@ -406,20 +425,20 @@ def build_layout(
         if message.get("tool_calls"):
             rendered["tool_calls"] = [
                 {
-                    "id": call.get("id") or f"call{number}",
+                    "id": as_text(call.get("id") or f"call{number}"),
                     "type": "function",
-                    "function": {"name": call["name"], "arguments": call["arguments"]},
+                    "function": {"name": as_text(call["name"]), "arguments": as_text(call["arguments"])},
                 }
                 for number, call in enumerate(message["tool_calls"])
             ]
-        rendered |= {key: message[key] for key in ("tool_call_id", "name") if key in message}
+        rendered |= {key: as_text(message[key]) for key in ("tool_call_id", "name") if key in message}
         rendered_messages.append(rendered)
 
     def spaced(content: str) -> bool:
         first = contents.get(content[: content.index("\x00", 1) + 1] if content else "")
         return first is not None and first[0][:1].isspace()
 
-    text = _render(tokens.tokenizer, rendered_messages, spaced, tools)
+    text = _render(tokens.tokenizer, rendered_messages, spaced, as_text(list(tools)))
 
     def as_json(quoted: re.Match[str]) -> str:
         found = contents.get(f"\x00{quoted[1]}\x00")
