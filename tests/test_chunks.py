@@ -26,11 +26,11 @@ def _store(tmp_path, name="store", **options) -> MemoryStore:
     return MemoryStore(tmp_path / name, embedder=HashEmbedder(), index_url=":memory:", **options)
 
 
-def _engine(tokenizer, family="llama", seed=0) -> KVShiftEngine:
+def _engine(tokenizer, family="llama", seed=0, chunk_tokens=CHUNK) -> KVShiftEngine:
     """A fresh process's engine: same weights (same seed), nothing cached. A tiny model computes
     its tokens faster than a store reads them, so its cost model is told reading is cheaper
     (test_the_cost_model_may_prefer_computing covers the other way)."""
-    engine = KVShiftEngine(tiny_model(TINY_CONFIGS[family](), seed=seed), tokenizer, chunk_tokens=CHUNK)
+    engine = KVShiftEngine(tiny_model(TINY_CONFIGS[family](), seed=seed), tokenizer, chunk_tokens=chunk_tokens)
     engine.costs.recompute_cheaper = lambda tokens: False
     return engine
 
@@ -49,7 +49,7 @@ def test_a_new_engine_restores_the_stored_chunks_and_answers_as_recompute(tmp_pa
     chunks = store.stats()["chunks"]
     # the answer's last token was never run (no K/V): full chunks cover the prompt and the rest, a tail the end
     filled = first.stats.prompt_tokens + len(first.token_ids) - 1
-    assert chunks == filled // CHUNK + 1 and filled % CHUNK
+    assert chunks == filled // CHUNK + 2 and filled % CHUNK  # and the list of tails after the full ones
 
     later = _engine(tokenizer, family)
     recomputed = later.generate(QUESTION, reuse="none", tenant="alice", max_new_tokens=4)
@@ -82,6 +82,46 @@ def test_the_next_turn_restores_the_answer_too(tmp_path, tokenizer):
     assert torch.equal(later.planner.plan(turn, tenant="alice").layout.token_ids[: said.numel()], said)
     restored = later.generate(turn, kv_store=store, tenant="alice", max_new_tokens=4)
     assert restored.stats.restored_tokens == stored_until
+
+
+def test_each_conversation_of_a_tenant_keeps_its_own_tail(tmp_path, tokenizer):
+    """Conversations shorter than a chunk share the chain before their tails (only its start):
+    each keeps its own tail there, and resuming one after the other restores all of it."""
+    store = _store(tmp_path)
+    engine = _engine(tokenizer, chunk_tokens=256)
+    system = {"role": "system", "content": "You are a helpful assistant."}
+    conversations = [[system, {"role": "user", "content": f"Question {n}: where did I park the car?"}] for n in range(3)]
+    firsts = [_written(engine, store, messages=conversation) for conversation in conversations]
+    assert all(first.stats.prompt_tokens + len(first.token_ids) < 256 for first in firsts)
+    later = _engine(tokenizer, chunk_tokens=256)
+    for conversation, first in zip(conversations, firsts, strict=True):  # the oldest first
+        said = first.stats.prompt_tokens + len(first.token_ids) - 1  # the answer's last token has no K/V yet
+        turn = [*conversation, {"role": "assistant", "content": first.text, "token_ids": first.token_ids}]
+        restored = later.generate([*turn, {"role": "user", "content": "And?"}], kv_store=store, tenant="alice")
+        assert restored.stats.restored_tokens == said
+        later.clear_cache()
+
+
+def test_a_malformed_list_of_tails_restores_nothing_and_is_replaced(tmp_path, tokenizer):
+    from kvshift_memory.engine.chunks import _chain, _key
+    from kvshift_memory.store.layout import tier_key
+
+    store = _store(tmp_path)
+    engine = _engine(tokenizer)
+    messages = [{"role": "user", "content": "Where did I park the car?"}]
+    first = _written(engine, store, messages=messages)
+    digest = _chain(engine.runner.chunks.identity(store, "alice"), torch.tensor([0]), CHUNK, 0)[0]
+    row = tier_key("c", "alice", _key(digest, exact=True, tail=True))
+    chunks = store.tier._chunks(create=False)  # noqa: SLF001
+    for planted in (b"kvshift-tails/1\n[[1, -2]]", b"kvshift-tails/1\n{", b"\x80\x04pickle", b"kvshift-tails/1\n" + b"[" * 5000):
+        chunks.set(row, planted)
+        later = _engine(tokenizer)
+        assert later.generate(messages, kv_store=store, tenant="alice", max_new_tokens=2).stats.restored_tokens == 0
+        assert later.flush_chunks(timeout_s=60)  # it stores its own tail and list: the next plant goes over them
+    later = _engine(tokenizer)
+    _written(later, store, messages=messages)
+    restored = _engine(tokenizer).generate(messages, kv_store=store, tenant="alice", max_new_tokens=2)
+    assert restored.stats.restored_tokens == first.stats.prompt_tokens - 1
 
 
 def _row(engine, store, tenant: str, index: int) -> str:

@@ -19,12 +19,13 @@ from __future__ import annotations
 
 import atexit
 import hashlib
+import json
 import logging
 import queue
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,6 +44,10 @@ __all__ = ["ChunkWriter", "StoredChunks"]
 
 logger = logging.getLogger("kvshift_memory.engine")
 
+# the tails kept after one run of full chunks (the conversations of a tenant that share it), newest first
+_TAILS_PER_PLACE = 16
+_TAILS_MAGIC = b"kvshift-tails/1\n"
+_MAX_TAILS_BYTES = 1 << 20
 # how many chunk keys per store the engine remembers as written, so that a long conversation
 # does not write its early chunks again after every turn (past it, the memo starts over)
 _KNOWN_KEYS = 1 << 16
@@ -80,6 +85,32 @@ def _key(digest: str, exact: bool, tail: bool = False) -> str:
     """A full chunk's key (``digest``: the chain after it), or a tail's (``digest``: the chain before it)."""
     kind = ("tail-" if tail else "") + ("exact" if exact else "blended")
     return hashlib.blake2b(f"{digest}|{kind}".encode(), digest_size=16).hexdigest()
+
+
+def _tail_key(digest: str, exact: bool, token_ids: Sequence[int]) -> str:
+    """A tail's key: the chain before it and its own tokens, so that the conversations of a tenant
+    that share what comes before (every one under a chunk long: only the chain's start) keep a
+    tail each. :func:`_key` of the chain alone names the list of tails stored there."""
+    tokens = hashlib.blake2b(torch.tensor(list(token_ids), dtype=torch.int64).numpy().tobytes(), digest_size=16)
+    return _key(f"{digest}|{tokens.hexdigest()}", exact, tail=True)
+
+
+def _read_tails(blob: bytes | None, chunk_tokens: int) -> list[tuple[int, ...]]:
+    """The tails a list blob names (newest first); nothing for a missing or malformed one."""
+    if not blob or not blob.startswith(_TAILS_MAGIC) or len(blob) > _MAX_TAILS_BYTES:
+        return []
+    try:
+        tails = json.loads(blob[len(_TAILS_MAGIC) :])
+    except (ValueError, RecursionError):  # RecursionError: a list nested thousands deep
+        return []
+    if not isinstance(tails, list) or len(tails) > _TAILS_PER_PLACE:
+        return []
+    if not all(
+        isinstance(tail, list) and 0 < len(tail) < chunk_tokens and all(type(i) is int and 0 <= i < 2**31 for i in tail)
+        for tail in tails
+    ):
+        return []
+    return [tuple(tail) for tail in tails]
 
 
 def _header(identity: _Identity, key: str, exact: bool) -> dict[str, str]:
@@ -233,9 +264,18 @@ class StoredChunks:
         tail: bool,
     ) -> tuple[Fragment | None, int]:
         """The chunk (of a tail, the part the prompt shares) or ``None``, and 1 when a stored blob was refused."""
-        key, size = _key(digest, exact, tail), self.chunk_tokens
+        size = self.chunk_tokens
         started = time.perf_counter()
         try:
+            if tail:  # of the tails stored here, the one sharing the most with the prompt
+                tails = _read_tails(store.load_chunk(_key(digest, exact, tail), tenant=identity.store_tenant), size)
+                here = ids[index * size :]
+                best = max(tails, key=lambda tokens: common_prefix(torch.tensor(tokens), here), default=None)
+                if best is None or common_prefix(torch.tensor(best), here) == 0:
+                    return None, 0
+                key = _tail_key(digest, exact, best)
+            else:
+                key = _key(digest, exact)
             blob = store.load_chunk(key, tenant=identity.store_tenant)
         except (StoreError, InvalidInputError) as exc:  # an accelerator: without the store, compute
             logger.warning("cannot read a K/V chunk: %s", exc)
@@ -294,12 +334,13 @@ class StoredChunks:
             if end <= index * size:
                 break
             tail, exact = end - index * size < size, end <= exact_until
-            key = _key(digests[index] if tail else digests[index + 1], exact, tail)
+            token_ids = ids[index * size : end].tolist()
+            key = _tail_key(digests[index], exact, token_ids) if tail else _key(digests[index + 1], exact)
             if not tail and self._is_known(store, tenant, key):
                 continue
             kv = cache.view(index * size, end)
             fragment = Fragment(
-                token_ids=tuple(ids[index * size : end].tolist()),
+                token_ids=tuple(token_ids),
                 keys=tuple(k for k, _ in kv),
                 values=tuple(v for _, v in kv),
                 base_position=index * size,
@@ -320,6 +361,21 @@ class StoredChunks:
                 return
             if full:  # a tail is written again after every turn: what follows it changes
                 self._remember(store, identity.tenant, key)
+            else:
+                self._list_tail(store, identity, fragment, header["exact"] == "1")
+
+    def _list_tail(self, store: ChunkStore, identity: _Identity, tail: Fragment, exact: bool) -> None:
+        """Name ``tail`` first in the list of tails after its chain (an earlier tail of the same
+        conversation, which it continues, leaves the list; past :data:`_TAILS_PER_PLACE` the
+        oldest goes). The list is a cache: two writers at once may each drop the other's entry,
+        which costs that conversation a prefill, never a wrong restore (a tail is checked on read)."""
+        key = _key(tail.context_digest, exact, tail=True)
+        try:
+            listed = _read_tails(store.load_chunk(key, tenant=identity.store_tenant), self.chunk_tokens)
+            tails = [tail.token_ids, *(t for t in listed if t != tail.token_ids[: len(t)])][:_TAILS_PER_PLACE]
+            store.save_chunk(key, _TAILS_MAGIC + json.dumps(tails).encode(), tenant=identity.store_tenant)
+        except StoreError as exc:
+            logger.warning("cannot store a K/V chunk: %s", exc)
 
     def _is_known(self, store: ChunkStore, tenant: str, key: str) -> bool:
         with self._known_lock:
