@@ -249,6 +249,29 @@ def test_an_items_ttl_lives_in_its_row_by_the_stores_clock(make_store, monkeypat
         put_item(store, "alice", ("m",), "bad", {"text": "x"}, "x", ttl_s=0)
 
 
+def test_a_refreshing_read_at_the_instant_of_expiry_refreshes_or_finds_nothing(make_store, monkeypatch):
+    store = make_store(embedder=HashEmbedder())
+    item = put_item(store, "alice", ("m",), "trip", {"text": "Alice flies on Friday."}, "Alice", ttl_s=60)
+    assert item.expires_at is not None
+    # the clock crosses the expiry during the read: its first reading is just before, every later one after
+    readings = iter([item.expires_at - 0.001])
+    monkeypatch.setattr(store, "now", lambda: next(readings, item.expires_at + 0.001))
+    got = get_item(store, "alice", ("m",), "trip", refresh=True)
+    assert got is not None and got.expires_at == item.expires_at - 0.001 + 60
+    assert get_item(store, "alice", ("m",), "trip") is not None  # refreshed in the row, for every reader
+    # a sweep that wins the race: the read finds nothing rather than an item already gone
+    swept = put_item(store, "alice", ("m",), "swept", {"text": "Gone."}, "Gone.", ttl_s=60)
+    real_set = store.tier.compare_and_set
+
+    def sweep_first(key, expected, value):
+        store.tier.set(key, b'{"deleted": true}')
+        return real_set(key, expected, value)
+
+    monkeypatch.setattr(store.tier, "compare_and_set", sweep_first)
+    monkeypatch.setattr(store, "now", lambda: swept.expires_at - 1)
+    assert get_item(store, "alice", ("m",), "swept", refresh=True) is None
+
+
 def test_sweep_removes_only_expired_items_and_a_put_after_expiry_starts_over(make_store, monkeypatch):
     store = make_store(embedder=HashEmbedder())
     ahead = clock_ahead(store, monkeypatch)

@@ -286,14 +286,16 @@ def get_item(
     labels, key = _check_name(namespace, key)
     row_key = _row_key(tenant, labels, key)
     raw = store.tier.get(row_key)
-    row = _parse_row(raw, store.now())
+    now = store.now()  # one instant for the read and its refresh: an item live at it is refreshed from it
+    row = _parse_row(raw, now)
     if row is None or tuple(row["namespace"]) != labels or row["key"] != key:
         return None
+    if refresh:  # before its memory is read: that read judges the row's expiry again, a moment later
+        row = _refreshed_row(store, row_key, raw, row, now)
     memory = _memory(store, tenant, row)
     if memory is None:
         return None
-    found = _item(tenant, row, memory)
-    return _refreshed(store, row_key, raw, found) if refresh else found
+    return _item(tenant, row, memory)
 
 
 def refresh_item(store: StoreParts, item: Item) -> Item:
@@ -304,18 +306,24 @@ def refresh_item(store: StoreParts, item: Item) -> Item:
     :raises StoreError: the tier failed.
     """
     row_key = _row_key(item.tenant, item.namespace, item.key)
-    return _refreshed(store, row_key, store.tier.get(row_key), item)
-
-
-def _refreshed(store: StoreParts, row_key: str, raw: bytes | None, item: Item) -> Item:
-    now = store.now()
+    raw, now = store.tier.get(row_key), store.now()
     row = _parse_row(raw, now)
     if item.ttl_s is None or row is None or row["id"] != item.memory.id:
         return item
-    expires_at = now + item.ttl_s
-    if store.tier.compare_and_set(row_key, raw, json.dumps({**row, "expires_at": expires_at}).encode("utf-8")):
-        return replace(item, expires_at=expires_at)
-    return item
+    row = _refreshed_row(store, row_key, raw, row, now)
+    return item if row is None or row["id"] != item.memory.id else replace(item, expires_at=row["expires_at"])
+
+
+def _refreshed_row(store: StoreParts, row_key: str, raw: bytes | None, row: dict[str, Any], now: float) -> Any:
+    """The live ``row`` (read as ``raw``) with its expiry restarted at ``now`` (unchanged without a
+    TTL); when another writer changed it first, the row as that writer left it: a put's (its
+    expiry stands), or ``None`` after a sweep or a delete."""
+    if row.get("ttl_s") is None:
+        return row
+    refreshed = {**row, "expires_at": now + row["ttl_s"]}
+    if store.tier.compare_and_set(row_key, raw, json.dumps(refreshed).encode("utf-8")):
+        return refreshed
+    return _parse_row(store.tier.get(row_key), now)
 
 
 def delete_item(store: StoreParts, tenant: str, namespace: Sequence[str], key: str) -> bool:
