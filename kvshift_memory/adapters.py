@@ -11,6 +11,7 @@ Recall and archive:
 - :func:`archive` applies the write-back rule to one user turn (archive, defer, keep in the
   window, or honour "remember …" / "forget …");
 - :func:`archived_text`, :func:`last_sentence`: what an archived turn is stored as;
+  :func:`message_key`: what tells a message from the same words later, where messages have no id;
 - :func:`forget_closest`: delete the memory a "forget …" request names, or nothing when unsure;
 - :class:`WriteBackModel`, :func:`turn_features`, :data:`FEATURES`: the write-back rule and the
   features it reads (fitted by ``benchmarks/writeback.py --fit``);
@@ -41,7 +42,16 @@ and :class:`~kvshift_memory.protocols.Store`.
 
 from __future__ import annotations
 
-from .agent.recall import RECALL, RecallSettings, archive, archived_text, forget_closest, last_sentence, recall
+from .agent.recall import (
+    RECALL,
+    RecallSettings,
+    archive,
+    archived_text,
+    forget_closest,
+    last_sentence,
+    message_key,
+    recall,
+)
 from .agent.writeback import FEATURES, Decision, WriteBackModel, explicit_request, turn_features
 from .chat_turns import (
     CONSTRAINED_REPETITION_PENALTY,
@@ -111,6 +121,7 @@ __all__ = [
     "last_sentence",
     "list_items",
     "marked_user_message",
+    "message_key",
     "parse_markers",
     "parse_tool_calls",
     "plausible_reply_ids",

@@ -21,6 +21,8 @@ class Engine(Protocol):
     """The engine calls :class:`~kvshift_memory.AgentMemory` makes (see :class:`~kvshift_memory.KVShiftEngine`)."""
 
     settings: EngineSettings
+    #: the model's context window, in tokens
+    max_positions: int
 
     @overload
     def generate(

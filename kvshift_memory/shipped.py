@@ -184,6 +184,7 @@ def context_window(name_or_path: str | os.PathLike | None) -> int | None:
     shipped = named_model(name_or_path)
     if shipped is not None:
         return shipped.context_window
+    assert name_or_path is not None  # it names the default shipped model
     from transformers import AutoConfig  # reads config.json only: no weights
 
     try:

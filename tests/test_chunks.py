@@ -90,7 +90,9 @@ def test_each_conversation_of_a_tenant_keeps_its_own_tail(tmp_path, tokenizer):
     store = _store(tmp_path)
     engine = _engine(tokenizer, chunk_tokens=256)
     system = {"role": "system", "content": "You are a helpful assistant."}
-    conversations = [[system, {"role": "user", "content": f"Question {n}: where did I park the car?"}] for n in range(3)]
+    conversations = [
+        [system, {"role": "user", "content": f"Question {n}: where did I park the car?"}] for n in range(3)
+    ]
     firsts = [_written(engine, store, messages=conversation) for conversation in conversations]
     assert all(first.stats.prompt_tokens + len(first.token_ids) < 256 for first in firsts)
     later = _engine(tokenizer, chunk_tokens=256)
@@ -113,7 +115,12 @@ def test_a_malformed_list_of_tails_restores_nothing_and_is_replaced(tmp_path, to
     digest = _chain(engine.runner.chunks.identity(store, "alice"), torch.tensor([0]), CHUNK, 0)[0]
     row = tier_key("c", "alice", _key(digest, exact=True, tail=True))
     chunks = store.tier._chunks(create=False)  # noqa: SLF001
-    for planted in (b"kvshift-tails/1\n[[1, -2]]", b"kvshift-tails/1\n{", b"\x80\x04pickle", b"kvshift-tails/1\n" + b"[" * 5000):
+    for planted in (
+        b"kvshift-tails/1\n[[1, -2]]",
+        b"kvshift-tails/1\n{",
+        b"\x80\x04pickle",
+        b"kvshift-tails/1\n" + b"[" * 5000,
+    ):
         chunks.set(row, planted)
         later = _engine(tokenizer)
         assert later.generate(messages, kv_store=store, tenant="alice", max_new_tokens=2).stats.restored_tokens == 0
@@ -203,7 +210,10 @@ def test_k_v_restored_through_a_lossy_codec_is_never_served_or_stored_as_exact(t
     # an exact call after it reuses none of what was restored, from the process or from the store
     assert _largest_gap(later, QUESTION, answer, "alice", reuse="prefix") < 1e-5
     assert _largest_gap(later, QUESTION, answer, "alice", reuse="prefix", kv_store=lossy) < 1e-5
-    assert later.score(QUESTION, continuation=answer, reuse="prefix", kv_store=lossy, tenant="alice").stats.restored_tokens == 0
+    assert (
+        later.score(QUESTION, continuation=answer, reuse="prefix", kv_store=lossy, tenant="alice").stats.restored_tokens
+        == 0
+    )
     # nor does an exact store take it as exact: a new process's exact call restores none of it
     exact_store = _store(tmp_path, "exact")
     later.generate(QUESTION, kv_store=exact_store, tenant="alice", max_new_tokens=4)

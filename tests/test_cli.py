@@ -203,10 +203,10 @@ def test_models_install_adds_the_conversion_requirements_when_missing(monkeypatc
 
 def test_a_redis_password_is_never_shown(redis_url, tokenizer, capsys, caplog):
     import redis
+    from store_worker import HashEmbedder
 
     from conftest import TINY_CONFIGS, flushed, tiny_model
     from kvshift_memory import KVShiftEngine, StoreError
-    from store_worker import HashEmbedder
 
     secret = "hunter2-s3cret"
     admin = redis.Redis.from_url(flushed(redis_url))

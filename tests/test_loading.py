@@ -369,7 +369,9 @@ def test_a_model_with_a_few_retuned_rows_has_a_fingerprint_of_its_own(tmp_path, 
         norm = one_byte.model.layers[1].post_attention_layernorm.weight
         norm.data.view(torch.int32)[-1] ^= 1  # the lowest bit of the last value
     assert model_fingerprint(one_byte, tokenizer) != model_fingerprint(base, tokenizer)
-    assert model_fingerprint(tiny_model(TINY_CONFIGS["llama"](), seed=0), tokenizer) == model_fingerprint(base, tokenizer)
+    assert model_fingerprint(tiny_model(TINY_CONFIGS["llama"](), seed=0), tokenizer) == model_fingerprint(
+        base, tokenizer
+    )
 
     # loaded from a folder: the digest is kept per file identity, and a file written again is digested again
     base.save_pretrained(tmp_path / "model")

@@ -47,6 +47,7 @@ ADAPTERS = {
     "CONSTRAINED_REPETITION_PENALTY",
     "put_item",
     "list_items",
+    "message_key",
     "item_of",
     "item_tenants",
     "get_item",

@@ -211,7 +211,8 @@ with MemoryStore(folder, embedder=HashEmbedder()) as store:
     other = store.add("Ana lives in Lisbon.", tenant="alice")
     store.save_chunk("0" * 32, b"x" * 100_000, tenant="alice")
     store.save_chunk("1" * 32, b"y" * 100_000, tenant="alice")
-files = sorted(os.path.join(root, name) for root, _, names in os.walk(folder) for name in names if name.endswith(".val"))
+files = [os.path.join(root, name) for root, _, names in os.walk(folder) for name in names]
+files = sorted(path for path in files if path.endswith(".val"))
 record_file, *chunk_files = sorted(files, key=lambda path: "chunks" in path)
 for path in (record_file, chunk_files[0]):
     os.remove(path)

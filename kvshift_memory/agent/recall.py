@@ -7,6 +7,7 @@ archived the same way whichever door it came in by.
 
 from __future__ import annotations
 
+import hashlib
 import re
 from collections.abc import Collection
 from dataclasses import dataclass
@@ -138,6 +139,12 @@ def last_sentence(reply: str) -> str:
     return sentences[-1] if sentences else ""
 
 
+def message_key(reply: str) -> str:
+    """What tells a user's message from the same words at another point of a conversation, for
+    a framework whose messages carry no id: a digest of the whole reply it follows."""
+    return hashlib.sha256(reply.encode("utf-8", "surrogatepass")).hexdigest()
+
+
 def forget_closest(
     store: Store,
     request: str,
@@ -219,12 +226,14 @@ def archive(
     session_id: str,
     window: bool = False,
     requests: bool = True,
+    message_key: str = "",
 ) -> tuple[float, Decision, Any]:
     """Write back ``text``, a user's turn answering ``previous``, as ``rule`` decides.
 
     "Remember …" always archives (importance 1). "Forget …" deletes the closest memory
-    (:func:`forget_closest`) and archives nothing, once: the same request in the same session,
-    seen again (by another adapter instance, process or replay), deletes nothing more. A
+    (:func:`forget_closest`) and archives nothing, once: the same message, seen again (by
+    another adapter instance, process or replay), deletes nothing more, while the same words
+    sent again later (another ``message_key``) are a request of their own. A
     question that states nothing is never stored. Any other turn is archived unless the rule
     finds it content-free; a turn the rule defers is stored now unless ``window`` says the
     caller keeps a working window that stores it when it leaves. A text the user's memory
@@ -234,6 +243,8 @@ def archive(
         the other participant's turn.
     :param requests: honour "remember …" and "forget …" (the user's own words); ``False`` for a
         transcript, where another participant's "forget about it" must delete nothing.
+    :param message_key: what tells this message from the same words sent at another point of
+        the session: the framework's message id, or else the text of the reply it follows.
     :returns: (importance, decision, the record stored or forgotten, else ``None``). A blank turn,
         or one longer than :data:`MAX_ARCHIVED_CHARS`, is ``"window"``.
     :raises StoreError: the store cannot be searched or written.
@@ -243,7 +254,7 @@ def archive(
     request = explicit_request(text) if requests else None
     if request == "forget":
         # carried out once, whichever process or adapter instance sees the message (again) first
-        if not store.claim_once(f"forget\0{session_id}\0{text}", tenant=user_id):
+        if not store.claim_once(f"forget\0{session_id}\0{message_key}\0{text}", tenant=user_id):
             return 0.0, "forget_ambiguous", None
         decision, forgotten = forget_closest(store, text, user_id=user_id)
         return 0.0, decision, forgotten

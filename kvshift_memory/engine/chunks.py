@@ -228,8 +228,10 @@ class StoredChunks:
                 for layer, (keys, values) in enumerate(zip(fragment.keys, fragment.values, strict=True)):
                     cache.write(layer, low, keys[..., window, :], values[..., window, :])
         # a bound at or past ``end`` falls in what the call computes itself
-        exact, unblended = (bound if bound < end else n for bound in (exactness.exact_until, exactness.unblended_until))
-        return Restored(end, Exactness(exact, unblended), rejected)
+        exact_end, unblended_end = (
+            bound if bound < end else n for bound in (exactness.exact_until, exactness.unblended_until)
+        )
+        return Restored(end, Exactness(exact_end, unblended_end), rejected)
 
     def _read_either(
         self,

@@ -31,6 +31,7 @@ from kvshift_memory.adapters import (
     WriteBackModel,
     archive,
     last_sentence,
+    message_key,
     parse_markers,
     recall,
     render_memories,
@@ -178,7 +179,17 @@ class KVShiftMiddleware(AgentMiddleware):
         text = human.additional_kwargs.get(ORIGINAL, human.text)
         reply = next((m.text for m in reversed(messages[: messages.index(human)]) if isinstance(m, AIMessage)), "")
         store, user, session = self.who(runtime)
-        archive(self._rule, store, text, last_sentence(reply), user_id=user, session_id=session or "default")
+        # the message's id (LangGraph gives every message one) tells a replay from the same words sent again
+        key = human.id or message_key(reply)
+        archive(
+            self._rule,
+            store,
+            text,
+            last_sentence(reply),
+            user_id=user,
+            session_id=session or "default",
+            message_key=key,
+        )
         return None
 
     async def abefore_model(self, state: AgentState[Any], runtime: Runtime[Any]) -> dict[str, Any] | None:

@@ -104,3 +104,23 @@ def test_instructions_meant_for_a_tool_delete_no_memory_through_an_agent(tmp_pat
         for instruction in instructions:
             agent.invoke({"messages": [HumanMessage(instruction)]})
         assert [store.get(r.id, tenant="alice") is not None for r in records] == [True] * 6
+
+
+def test_the_same_request_to_forget_later_is_carried_out_again_and_a_replay_deletes_nothing(tmp_path):
+    from langchain_core.messages import AIMessage
+
+    with MemoryStore(tmp_path / "store") as store:
+        store.add("The door code of the office is 4417.", tenant="alice")
+        kept = store.add("The office wifi password is tulip.", tenant="alice")
+        middleware = KVShiftMiddleware(store, "alice", "today")
+        forget = "Forget the door code of the office."
+        first = [HumanMessage(forget, id="m1"), AIMessage("Done.", id="a1")]
+        middleware.after_model({"messages": first}, None)
+        assert not [r for r in store.search("door code", tenant="alice", k=4) if "door code" in r.text]
+        new_code = store.add("The door code of the office is 9902 now.", tenant="alice")
+        later = [*first, HumanMessage("It changed.", id="m2"), AIMessage("Noted.", id="a2")]
+        later += [HumanMessage(forget, id="m3"), AIMessage("Done.", id="a3")]
+        for _ in range(2):  # the second time a replay of the same state: nothing more is deleted
+            middleware.after_model({"messages": later}, None)
+            assert store.get(new_code.id, tenant="alice") is None
+            assert store.get(kept.id, tenant="alice") is not None

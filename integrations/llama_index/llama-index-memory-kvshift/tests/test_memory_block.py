@@ -129,6 +129,27 @@ def test_a_request_to_forget_is_carried_out_once_across_block_instances(store):
     assert deleted == ["The door code of the office is 4417."]
 
 
+def test_the_same_request_to_forget_later_in_the_session_is_carried_out_again(store):
+    """Once per message, not once per wording: "forget …" sent again about a memory stored since deletes it."""
+    store.add("The door code of the office is 4417.", tenant="alice")
+    kept = store.add("The office wifi password is tulip.", tenant="alice")
+    forget = ChatMessage(role="user", content="Forget the door code of the office.")
+    conversation = [forget]
+    asyncio.run(KVShiftMemoryBlock(store=store, user_id="alice").aget(conversation, session_id="s1"))
+    assert not [r for r in store.search("door code", tenant="alice", k=4) if "door code" in r.text]
+    new_code = store.add("The door code of the office is 9902 now.", tenant="alice")
+    conversation += [
+        ChatMessage(role="assistant", content="I have forgotten the door code."),
+        ChatMessage(role="user", content="The door code changed, I told you the new one."),
+        ChatMessage(role="assistant", content="Thanks, noted."),
+        forget,
+    ]
+    for _ in range(2):  # the second time, a replay (another instance): nothing more is deleted
+        asyncio.run(KVShiftMemoryBlock(store=store, user_id="alice").aget(conversation, session_id="s1"))
+        assert store.get(new_code.id, tenant="alice") is None
+        assert store.get(kept.id, tenant="alice") is not None
+
+
 def test_truncation_drops_the_least_relevant_memories_first(store):
     for text in ("Ana is allergic to peanuts.", "Ana lives in Porto.", "Ana has a cat named Miso."):
         store.add(text, tenant="alice")

@@ -36,6 +36,7 @@ from kvshift_memory.adapters import (
     WriteBackModel,
     archive,
     last_sentence,
+    message_key,
     recall,
     render_memories,
     strip_markers,
@@ -354,14 +355,15 @@ class KVShiftMemory(BaseMemory):
             return None
         turn.written_back = True
         replies = [e for e in self._entries[: users[-1]] if e.message.role == MessageRole.ASSISTANT]
-        previous = last_sentence(replies[-1].message.content or "") if replies else ""
+        reply = replies[-1].message.content or "" if replies else ""
         _, decision, record = archive(
             self._rule,
             self.store,
             turn.message.content or "",
-            previous,
+            last_sentence(reply),
             user_id=self.user_id,
             session_id=self.session_id,
+            message_key=message_key(reply),
         )
         if record is None or decision != "archive":  # nothing stored (or a request to forget, which deleted it)
             return None

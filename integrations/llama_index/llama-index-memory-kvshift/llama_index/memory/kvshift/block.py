@@ -35,6 +35,7 @@ from kvshift_memory.adapters import (
     archived_text,
     explicit_request,
     last_sentence,
+    message_key,
     recall,
     render_memories,
 )
@@ -71,7 +72,8 @@ class KVShiftMemoryBlock(BaseMemoryBlock[str]):
     write_back: bool = True
     _rule: WriteBackModel = PrivateAttr(default_factory=WriteBackModel.bundled)
     # the write-back decision of each user message seen in this process, by (session, message digest)
-    _decisions: dict[tuple[str, str], Decision] = PrivateAttr(default_factory=dict)
+    # by (session, the message's digest, the digest of the reply it follows)
+    _decisions: dict[tuple[str, str, str], Decision] = PrivateAttr(default_factory=dict)
     _lock: threading.Lock = PrivateAttr(default_factory=threading.Lock)
 
     async def _aget(self, messages: list[ChatMessage] | None = None, **block_kwargs: Any) -> str:
@@ -115,7 +117,7 @@ class KVShiftMemoryBlock(BaseMemoryBlock[str]):
         if not query.strip():
             return ""
         if self.write_back:
-            self._write_back(query, _previous_reply(messages, users[-1]), session, flushed=False)
+            self._write_back(query, _reply_before(messages, users[-1]), session, flushed=False)
         shown = [message.content.strip() for message in messages if message.content and message.content.strip()]
         hits = recall(
             self.store,
@@ -135,17 +137,19 @@ class KVShiftMemoryBlock(BaseMemoryBlock[str]):
             if message.role == MessageRole.USER and message.content:
                 session = message.additional_kwargs.get("session_id")
                 session = session if isinstance(session, str) and session else "default"
-                self._write_back(message.content, _previous_reply(messages, i), session, flushed=True)
+                self._write_back(message.content, _reply_before(messages, i), session, flushed=True)
 
-    def _write_back(self, text: str, previous: str, session: str, *, flushed: bool) -> None:
-        """Archive ``text`` as the rule decides, once.
+    def _write_back(self, text: str, reply: str, session: str, *, flushed: bool) -> None:
+        """Archive ``text`` (the user's message after ``reply``) as the rule decides, once.
 
         A message decided already is decided again only when it was deferred and is now flushed
         (a deferred message is stored when it leaves the window); one stored already (by an
         earlier process over the same chat store) is not stored again, and a request to forget
-        is carried out only when first seen, never again on its way out of the window.
+        is carried out only when first seen, never again on its way out of the window. The same
+        words after another reply are another message (a second "forget …" is carried out too).
         """
-        key = (session, hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest())
+        previous, after = last_sentence(reply), message_key(reply)
+        key = (session, hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest(), after)
         with self._lock:
             decided = self._decisions.get(key)
             if decided is not None and not (flushed and decided == "defer"):
@@ -156,7 +160,14 @@ class KVShiftMemoryBlock(BaseMemoryBlock[str]):
         if self._stored(archived_text(text, previous)):
             return
         _, decision, _ = archive(
-            self._rule, self.store, text, previous, user_id=self.user_id, session_id=session, window=not flushed
+            self._rule,
+            self.store,
+            text,
+            previous,
+            user_id=self.user_id,
+            session_id=session,
+            window=not flushed,
+            message_key=after,
         )
         with self._lock:
             self._decisions[key] = decision
@@ -177,11 +188,11 @@ def _checked(messages: Any) -> list[ChatMessage]:
     return messages
 
 
-def _previous_reply(messages: list[ChatMessage], index: int) -> str:
-    """What the user message at ``index`` answers: the last sentence of the reply before it."""
+def _reply_before(messages: list[ChatMessage], index: int) -> str:
+    """The reply the user message at ``index`` follows (``""`` for none)."""
     for message in reversed(messages[:index]):
         if message.role == MessageRole.ASSISTANT and message.content:
-            return last_sentence(message.content)
+            return message.content
     return ""
 
 
