@@ -86,6 +86,17 @@ def test_the_block_recalls_only_its_users_memories_and_not_what_the_window_shows
     assert asyncio.run(alice.aget(shown)) == ""  # the window shows it already
 
 
+def test_a_tool_result_or_a_short_answer_never_hides_a_memory(store):
+    """Only what the user and the assistant said counts as shown, and only whole: "Porto." from a
+    tool, or as a reply, does not show "My sister Marta lives in Porto."."""
+    marta = "My sister Marta lives in Porto."
+    store.add(marta, tenant="alice")
+    block = KVShiftMemoryBlock(store=store, user_id="alice", write_back=False)
+    question = ChatMessage(role="user", content="Where does my sister Marta live?")
+    for said in (ChatMessage(role="tool", content="Porto."), ChatMessage(role="assistant", content="Porto.")):
+        assert "Marta lives in Porto" in asyncio.run(block.aget([said, question]))
+
+
 def test_a_message_is_written_back_once_and_a_deferred_one_when_it_leaves_the_window(store):
     block = KVShiftMemoryBlock(store=store, user_id="alice")
     told = [ChatMessage(role="user", content=FACT)]

@@ -118,7 +118,12 @@ class KVShiftMemoryBlock(BaseMemoryBlock[str]):
             return ""
         if self.write_back:
             self._write_back(query, _reply_before(messages, users[-1]), session, flushed=False)
-        shown = [message.content.strip() for message in messages if message.content and message.content.strip()]
+        # what the user and the assistant said: a tool's result ("Porto.") shows no memory of the user's
+        shown = [
+            message.content.strip()
+            for message in messages
+            if message.role in (MessageRole.USER, MessageRole.ASSISTANT) and message.content and message.content.strip()
+        ]
         hits = recall(
             self.store,
             query,
@@ -197,5 +202,6 @@ def _reply_before(messages: list[ChatMessage], index: int) -> str:
 
 
 def _is_shown(record: MemoryRecord, shown: list[str]) -> bool:
-    """Whether the window shows ``record``'s text already (archived text ends with the message)."""
-    return any(record.text.endswith(text) for text in shown)
+    """Whether the window shows ``record``'s text already: it is a message, or a message archived
+    after the question it answered (:func:`~kvshift_memory.adapters.archived_text`)."""
+    return any(record.text == text or record.text.endswith(f"\n{text}") for text in shown)
