@@ -441,3 +441,60 @@ def test_restored_chunks_answer_as_recompute_in_a_shipped_models_default_weights
     assert restored.stats.restored_tokens >= engine.settings.chunk_tokens
     assert restored.token_ids == recomputed.token_ids
     _assert_restored_scores_as_recompute(engine, messages, recomputed.token_ids, store, "restore-test", 1e-3)
+
+
+_KILLED_MID_CHUNK = textwrap.dedent(
+    """
+    import os, signal, sys
+    sys.path.insert(0, {tests!r})
+    from store_worker import HashEmbedder
+    from kvshift_memory import MemoryStore
+    from kvshift_memory.store import tiers
+
+    store = MemoryStore({folder!r}, embedder=HashEmbedder(), index_url=":memory:", chunk_bytes={budget})
+    store_value = tiers._BytesOnlyDisk.store
+
+    def store_then_die(self, value, read, key=None):
+        stored = store_value(self, value, read, key=key)
+        if stored[2] is not None:  # the value's file is written, its row is not: the worst moment to die
+            os.kill(os.getpid(), signal.SIGKILL)
+        return stored
+
+    tiers._BytesOnlyDisk.store = store_then_die
+    store.save_chunk(os.urandom(16).hex(), os.urandom({size}), tenant="alice")
+    """
+)
+
+
+def _value_bytes(folder) -> int:
+    return sum(path.stat().st_size for path in folder.rglob("*.val"))
+
+
+def test_kill_9_mid_chunk_write_leaves_no_bytes_past_the_budget_after_check_or_gc(tmp_path):
+    folder, budget, size = tmp_path / "store", 4 << 20, 2 << 20
+    script = _KILLED_MID_CHUNK.format(tests=os.path.dirname(__file__), folder=str(folder), budget=budget, size=size)
+
+    def crash(times: int) -> None:
+        for _ in range(times):
+            done = subprocess.run([sys.executable, "-c", script], env={**os.environ, "HF_HUB_OFFLINE": "1"})
+            assert done.returncode == -signal.SIGKILL
+
+    def later(store, seconds: float) -> None:  # the tier's clock, which gc's grace is judged by
+        real_now = type(store.tier).now
+        store.tier.now = lambda: real_now(store.tier) + seconds
+
+    crash(3)
+    chunks = folder / "kv" / "chunks"
+    assert _value_bytes(chunks) == 3 * size > budget
+    store = _store(tmp_path, chunk_bytes=budget)
+    assert store.check().problems == [] and store.gc().stray_files == 0  # within the grace: a writer may be mid-write
+    later(store, 120)
+    report = store.check()
+    assert report.ok and len(report.repaired) == 3 and all("no row names" in problem for problem in report.problems)
+    assert _value_bytes(chunks) == 0
+    crash(3)
+    store.save_chunk("ab" * 16, b"k" * 100_000, tenant="alice")  # a live chunk beside the debris: kept
+    freed = store.gc()
+    assert freed.stray_files == 3 and freed.freed_bytes >= 3 * size
+    assert _value_bytes(chunks) <= budget and store.load_chunk("ab" * 16, tenant="alice") == b"k" * 100_000
+    store.close()

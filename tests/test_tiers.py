@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import sqlite3
 import threading
 
@@ -260,3 +261,67 @@ def test_inspecting_a_mistyped_folder_is_an_error_that_creates_nothing(tmp_path,
         assert "no store at" in capsys.readouterr().err
         assert main([command, str(tmp_path)]) == 2  # a folder, but not a store's
     assert list(tmp_path.iterdir()) == []
+
+
+_FULL_DISK = """
+import os, shutil, sys
+sys.path.insert(0, {tests!r})
+from store_worker import HashEmbedder
+from kvshift_memory import MemoryStore, StoreError
+
+folder = {folder!r}
+store = MemoryStore(folder, embedder=HashEmbedder(), index_url=":memory:", chunk_bytes=1 << 40)
+kept = store.add("Kept from before the disk filled.", tenant="alice")
+def fill() -> int:
+    written = 0
+    try:
+        while True:
+            store.save_chunk(os.urandom(16).hex(), os.urandom(1 << 20), tenant="alice")
+            written += 1
+    except StoreError:
+        return written
+print("chunks", fill() > 10)
+record = store.add("My passport number ends in 4471.", tenant="alice")  # a memory outranks the chunks
+print("added", store.get(record.id, tenant="alice").text)
+print("kept", store.get(kept.id, tenant="alice").text)
+print("chunks again", fill() > 10)
+before = shutil.disk_usage(folder).free
+report = store.gc()
+print("gc freed", report.freed_chunk_bytes > 10 << 20, shutil.disk_usage(folder).free > before + (10 << 20))
+print("added after gc", store.add("Another memory.", tenant="alice") is not None)
+store.close()
+"""
+
+
+def test_a_full_disk_frees_the_chunks_before_refusing_a_memory(tmp_path):
+    """On a small tmpfs of its own (a mount namespace), chunks fill the disk; a memory is stored anyway."""
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    script = _FULL_DISK.format(tests=str(Path(__file__).parent), folder=str(mount / "store"))
+    command = f'mount -t tmpfs -o size=48m tmpfs {mount} && exec {sys.executable} -c "$SCRIPT"'
+    unshare = shutil.which("unshare")
+    if unshare is None or subprocess.run([unshare, "-rm", "true"], capture_output=True).returncode != 0:
+        if os.environ.get("CI"):
+            raise AssertionError("this machine cannot make a mount namespace (unshare -rm) for a small disk")
+        pytest.skip("no mount namespace here (unshare -rm) for a small disk of the test's own")
+    done = subprocess.run(
+        [unshare, "-rm", "sh", "-c", command],
+        env={**os.environ, "SCRIPT": script},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.splitlines() == [
+        "chunks True",
+        "added My passport number ends in 4471.",
+        "kept Kept from before the disk filled.",
+        "chunks again True",
+        "gc freed True True",
+        "added after gc True",
+    ], done.stdout + done.stderr[-3000:]

@@ -64,6 +64,10 @@ class GCReport:
     freed_fragments: int = 0
     freed_bytes: int = 0
     freed_keys: int = 0
+    #: files a writer killed mid-write left in a folder tier (no row names them)
+    stray_files: int = 0
+    #: bytes of K/V chunks freed because the disk was short of space (memories outrank a cache)
+    freed_chunk_bytes: int = 0
 
 
 def collect_garbage(store: StoreParts, *, keep_model_fingerprint: str | None = None) -> GCReport:
@@ -74,7 +78,8 @@ def collect_garbage(store: StoreParts, *, keep_model_fingerprint: str | None = N
     superseded versions (their text stays, for :meth:`history`), data that writers killed
     mid-write left behind, memories of items that no item row names, and, when
     ``keep_model_fingerprint`` is given, fragments of other models (stale: they would never be
-    used again).
+    used again). A folder tier's files no row names (a writer killed between a value's file
+    and its row) go once older than the grace; on a disk short of space, the K/V chunks go first.
 
     Ages are judged by the tier's clock. A write no head names yet is freed only once older than
     :data:`ORPHAN_GRACE_S` and only after gc has *fenced* the head it would be published on (made
@@ -83,8 +88,13 @@ def collect_garbage(store: StoreParts, *, keep_model_fingerprint: str | None = N
 
     :raises StoreError: the tier failed.
     """
-    report = GCReport(expired_items=sweep_items(store))
+    report = GCReport(freed_chunk_bytes=store.tier.relieve_disk())  # first: what follows may need space
+    report.expired_items = sweep_items(store)
     now = store.tier.now()
+    for path, size in store.tier.stray_files(now - ORPHAN_GRACE_S):
+        store.tier.remove_stray_file(path)
+        report.stray_files += 1
+        report.freed_bytes += size
     heads: dict[tuple[str, str], Head | None] = {}
     for key in list(store.tier.scan("h/")):
         parts = split_key(key)
@@ -153,6 +163,11 @@ def check_store(store: StoreParts) -> CheckReport:
     """
     report = CheckReport(ok=True, memories=0, fragments=0)
     now = store.tier.now()
+    for path, size in store.tier.stray_files(now - ORPHAN_GRACE_S):
+        store.tier.remove_stray_file(path)
+        message = f"a file no row names ({size} bytes, left by a writer killed mid-write): {path}"
+        report.problems.append(message)
+        report.repaired.append(f"{message} (removed)")
     states: dict[tuple[str, str], IndexedState] = {}  # what each memory's index point must be
     for key in list(store.tier.scan("h/")):
         parts = split_key(key)

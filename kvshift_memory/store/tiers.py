@@ -24,16 +24,18 @@ read renews (Redis). Records are never evicted.
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 import re
+import shutil
 import sqlite3
 import stat
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Iterator
-from typing import Any, Protocol
+from collections.abc import Callable, Iterator
+from typing import Any, Protocol, TypeVar
 from urllib.parse import parse_qsl, urlencode, urlsplit
 
 import diskcache
@@ -97,6 +99,18 @@ class KVTier(Protocol):
 
     def chunk_usage(self) -> tuple[int, int]:
         """How many chunks the tier holds, and their bytes."""
+
+    def stray_files(self, older_than: float) -> list[tuple[str, int]]:
+        """Files of the tier no row names, last written before ``older_than`` (the tier's clock):
+        what a writer killed between writing a value's file and its row left. Their paths and
+        sizes; none for a tier without a folder."""
+
+    def remove_stray_file(self, path: str) -> None:
+        """Remove a file :meth:`stray_files` named (nothing else: a path it would not name is left)."""
+
+    def relieve_disk(self) -> int:
+        """When the tier's disk has less than :data:`LOW_DISK_BYTES` free, free its chunks (a
+        cache: a user's memory outranks them); the bytes freed (0 for a tier without a disk)."""
 
     def close(self) -> None: ...
 
@@ -233,6 +247,15 @@ class HotTier:
         with self._lock:
             return len(self._chunks), self._chunks.total
 
+    def stray_files(self, older_than: float) -> list[tuple[str, int]]:
+        return []
+
+    def remove_stray_file(self, path: str) -> None:
+        return None
+
+    def relieve_disk(self) -> int:
+        return 0
+
     def clear(self) -> None:
         with self._lock:
             self._data.clear()
@@ -242,6 +265,18 @@ class HotTier:
 
     def close(self) -> None:
         pass
+
+
+#: below this much free space on its disk, a folder tier's gc frees the chunks
+LOW_DISK_BYTES = 64 << 20
+_T = TypeVar("_T")
+
+
+def _out_of_space(error: BaseException | None) -> bool:
+    """Whether ``error`` (what SQLite or the file system raised) says the disk is full."""
+    if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    return isinstance(error, sqlite3.Error) and "full" in str(error)
 
 
 #: the largest value file the disk tier reads: no record, fragment or chunk the store writes comes
@@ -323,6 +358,24 @@ def _value_file(path: str) -> bytes:
         return file.read(MAX_VALUE_FILE_BYTES + 1)
 
 
+def _value_files(folder: str) -> Iterator[tuple[str, os.stat_result]]:
+    """The value files in a diskcache folder (``ab/cd/<28 hex>.val``, regular files only), with
+    their status; links and anything else are not listed."""
+    hex_pair = re.compile(r"[0-9a-f]{2}")
+    for first in sorted(os.listdir(folder)):
+        if not hex_pair.fullmatch(first) or not os.path.isdir(os.path.join(folder, first)):
+            continue
+        for second in sorted(os.listdir(os.path.join(folder, first))):
+            inner = os.path.join(folder, first, second)
+            if not hex_pair.fullmatch(second) or os.path.islink(inner) or not os.path.isdir(inner):
+                continue
+            for name in sorted(os.listdir(inner)):
+                relative = os.path.join(first, second, name)
+                status = os.lstat(os.path.join(inner, name))
+                if _VALUE_FILE.fullmatch(relative.replace(os.sep, "/")) and stat.S_ISREG(status.st_mode):
+                    yield relative, status
+
+
 class DiskTier:
     """A ``diskcache`` folder shared safely by the processes of one machine.
 
@@ -387,29 +440,67 @@ class DiskTier:
         value = _as_bytes(value)
         if len(value) > MAX_VALUE_FILE_BYTES:  # it could never be read back
             raise StoreError(f"a value of {len(value)} bytes is over the disk tier's {MAX_VALUE_FILE_BYTES}")
-        with self._errors("set"):
-            self._cache.set(key, value)
+        self._write("set", lambda: self._cache.set(key, value))
+
+    def _write(self, operation: str, write: Callable[[], _T]) -> _T:
+        """``write()``; when the disk is full, the chunks freed (a cache: a user's memory outranks
+        every one of them) and ``write()`` run once more.
+
+        :raises StoreError: it failed (again)."""
+        try:
+            with self._errors(operation):
+                return write()
+        except StoreError as exc:
+            if not _out_of_space(exc.__context__) or not self.free_chunks():
+                raise
+        logger.warning("the disk of %s was full: its K/V chunks were freed for a write (%s)", self.url, operation)
+        with self._errors(operation):
+            return write()
+
+    def free_chunks(self) -> int:
+        """Remove every chunk, the files first (removing them needs no space, a row's deletion
+        may); the bytes freed."""
+        chunks = self._chunks(create=False)
+        if chunks is None:
+            return 0
+        freed = 0
+        with self._errors("free chunks"):
+            for name, status in list(_value_files(chunks.directory)):
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(os.path.join(chunks.directory, name))
+                    freed += status.st_size
+        with contextlib.suppress(diskcache.Timeout, sqlite3.Error, OSError):  # rows of files now gone: read as missing
+            chunks.clear()
+        return freed
+
+    def relieve_disk(self) -> int:
+        free = shutil.disk_usage(self._cache.directory).free
+        return self.free_chunks() if free < LOW_DISK_BYTES else 0
 
     def compare_and_set(self, key: str, expected: bytes | None, value: bytes | None) -> bool:
-        with self._errors("compare-and-set"), self._cache.transact():
-            if self._stored(self._cache.get(key, default=None)) != expected:
-                return False
-            if value is None:
-                self._cache.delete(key)
-            else:
-                self._cache.set(key, _as_bytes(value))
-            return True
+        def swap() -> bool:
+            with self._cache.transact():
+                if self._stored(self._cache.get(key, default=None)) != expected:
+                    return False
+                if value is None:
+                    self._cache.delete(key)
+                else:
+                    self._cache.set(key, _as_bytes(value))
+                return True
+
+        return self._write("compare-and-set", swap)
 
     def delete(self, key: str) -> bool:
-        with self._errors("delete"):
-            return self._cache.delete(key)
+        return self._write("delete", lambda: self._cache.delete(key))
 
     def incr(self, key: str) -> int:
-        with self._errors("incr"):
+        def count() -> int:
             try:
                 return self._cache.incr(key)
             except TypeError:  # diskcache adds 1 to what the row holds: bytes where a count was
                 raise CorruptRecordError(f"counter {key!r} of the disk tier does not hold a number") from None
+
+        return self._write("incr", count)
 
     def now(self) -> float:
         # SQLite reads the operating system's clock, which every process on this machine shares;
@@ -420,10 +511,14 @@ class DiskTier:
 
     def append(self, log: str, value: bytes) -> int:
         value = _as_bytes(value)
-        with self._errors("append"), self._cache.transact():
-            index = self._cache.incr(f"{log}#") - 1
-            self._cache.set(f"{log}@{index:012d}", value)
-            return index
+
+        def add() -> int:
+            with self._cache.transact():
+                index = self._cache.incr(f"{log}#") - 1
+                self._cache.set(f"{log}@{index:012d}", value)
+                return index
+
+        return self._write("append", add)
 
     def read_log(self, log: str, start: int) -> list[bytes]:
         with self._errors("read_log"):
@@ -474,6 +569,28 @@ class DiskTier:
             return 0, 0
         with self._errors("chunk usage"):
             return len(chunks), int(chunks.volume())
+
+    def stray_files(self, older_than: float) -> list[tuple[str, int]]:
+        found = []
+        for cache in (self._cache, self._chunks(create=False)):
+            if cache is None:
+                continue
+            # the files first: one written after this listing is not judged (its row may come next)
+            with self._errors("list value files"):
+                files = list(_value_files(cache.directory))
+                rows = cache._sql("SELECT filename FROM Cache WHERE filename IS NOT NULL").fetchall()  # noqa: SLF001
+            named = {os.path.normpath(name) for (name,) in rows if isinstance(name, str)}
+            for name, status in files:
+                if os.path.normpath(name) not in named and status.st_mtime < older_than:
+                    found.append((os.path.join(cache.directory, name), status.st_size))
+        return found
+
+    def remove_stray_file(self, path: str) -> None:
+        folder = os.path.realpath(os.fspath(self._cache.directory))
+        inside = os.path.realpath(os.path.dirname(path)).startswith(folder + os.sep)
+        if inside and _VALUE_FILE.search(path.replace(os.sep, "/")) and stat.S_ISREG(os.lstat(path).st_mode):
+            with contextlib.suppress(FileNotFoundError):  # another gc was first
+                os.remove(path)
 
     def scan(self, prefix: str) -> Iterator[str]:
         # one range query over str keys: rows of other key types (a pickled key planted by hand)
@@ -591,6 +708,15 @@ class RedisTier:
         except self._errors as exc:
             raise StoreError(f"Redis at {self.url} failed on chunk usage: {exc}") from exc
         return len(sizes), sum(sizes)
+
+    def stray_files(self, older_than: float) -> list[tuple[str, int]]:
+        return []
+
+    def remove_stray_file(self, path: str) -> None:
+        return None
+
+    def relieve_disk(self) -> int:
+        return 0
 
     def append(self, log: str, value: bytes) -> int:
         return int(self._call("rpush", log, _as_bytes(value))) - 1
