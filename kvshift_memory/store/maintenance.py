@@ -130,8 +130,9 @@ def collect_garbage(store: StoreParts, *, keep_model_fingerprint: str | None = N
 
 
 def _unowned_item(store: StoreParts, record: MemoryRecord, now: float, report: GCReport | CheckReport) -> bool:
-    """Delete ``record``, an item's memory, when no item row names it and it is older than the
-    grace a put in flight gets (the row fenced first, so that put can no longer name it).
+    """Delete ``record``, an item's memory or a document's part, when no row names it and it is
+    older than the grace a write in flight gets (the row fenced first, so that write can no
+    longer name it).
 
     :returns: whether it was deleted.
     """
@@ -144,7 +145,8 @@ def _unowned_item(store: StoreParts, record: MemoryRecord, now: float, report: G
         store.delete(record.id, tenant=record.tenant)
     except StoreError:
         return False  # changed meanwhile: judged again next time
-    message = f"memory {record.id} of {record.tenant!r}: no item row names it (a writer died mid-put or mid-delete)"
+    owner = "document" if record.item.startswith("d/") else "item"
+    message = f"memory {record.id} of {record.tenant!r}: no {owner} row names it (a writer died mid-write)"
     if isinstance(report, CheckReport):
         report.problems.append(message)
         report.repaired.append(f"{message} (deleted)")

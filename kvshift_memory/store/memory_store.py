@@ -38,7 +38,7 @@ from ..exceptions import (
     VersionConflictError,
 )
 from . import maintenance
-from .documents import approximate_tokens, split_document
+from .documents import approximate_tokens, document_row, listed_parts, split_document
 from .index import IndexedState, open_index
 from .items import owns
 from .keywords import keywords, memory_keywords
@@ -72,6 +72,8 @@ MAX_SESSION_BYTES = 16 << 20
 _RAM_CHUNK_BYTES = 256 << 20
 # fresh ids an add tries when gc fenced its write as abandoned (a writer stalled past the grace)
 _ADD_ATTEMPTS = 3
+# a search that found part of a document (published while it ran) is run again, at most so often
+_SEARCH_ATTEMPTS = 3
 #: a document's source is a name or an address, not a second text
 _MAX_SOURCE_CHARS = 2048
 
@@ -254,10 +256,15 @@ class MemoryStore:
             (the bundled MiniLM reads 256 word pieces).
         :param count_tokens: the tokens of a text; pass ``engine.count_tokens`` to cut by the
             model's tokens (default: words and punctuation, a little under a subword count).
+        The parts are visible together or not at all: each is live only once a document row that
+        lists every part is published (one compare-and-set, after the last part is written); a
+        writer killed before leaves invisible parts that :meth:`gc` and :meth:`check` remove.
+
         :returns: the parts' records, in document order. When this returns, all are durable.
         :raises InvalidInputError: empty or over-long text, a bad source, ``max_tokens`` or
             ``count_tokens``, or any argument :meth:`add` refuses.
-        :raises StoreError: the tier refused a write (the parts written before it are deleted again).
+        :raises StoreError: the tier refused a write (the parts written before it are deleted
+            again); :class:`StoreBusyError` when gc judged the document abandoned first.
         """
         text = inputs.check_text(text, "text")
         if source is not None:
@@ -268,7 +275,9 @@ class MemoryStore:
         if count_tokens is not None and not callable(count_tokens):
             raise InvalidInputError("count_tokens must be a function of a text")
         parts = split_document(text, max_tokens, count_tokens or approximate_tokens)
+        tenant, _ = self._ids(tenant, session_id)
         document = uuid.uuid4().hex
+        row_key = tier_key("d", tenant, document)
         added: list[MemoryRecord] = []
         try:
             for number, part in enumerate(parts):
@@ -281,12 +290,16 @@ class MemoryStore:
                         semantic_keywords=(),
                         ttl_s=ttl_s,
                         index=index,
-                        item=None,
+                        item=row_key,  # invisible until the document row lists it
                         document=(document, number, source),
                     )
                 )
+            # all parts at once: a reader sees none before this, all after; gc fences a row a
+            # writer stalled past the grace would still publish, and then this fails
+            if not self.tier.compare_and_set(row_key, None, document_row([record.id for record in added])):
+                raise StoreBusyError("the document's parts were judged abandoned by gc before it was published")
         except BaseException:
-            for record in added:  # a document is stored whole or not at all
+            for record in added:  # invisible already; deleted now rather than by gc
                 with contextlib.suppress(KVShiftError):
                     self.delete(record.id, tenant=record.tenant)
             raise
@@ -387,6 +400,53 @@ class MemoryStore:
         embed_query = getattr(self.embedder, "embed_query", None)
         vector = embed_query(query) if callable(embed_query) else self.embedder.embed([query])[0]
         terms = keywords(query)
+        for attempt in range(_SEARCH_ATTEMPTS):
+            # each owner row (an item's, a document's) read once per search, so a document is judged
+            # as of one read; one published after the index caught up with the log may lack parts
+            # there: searched again, or, should writers keep racing it, left out (as if read before)
+            owners: dict[str, bytes | None] = {}
+            found = self._ranked(vector, terms, tenant, session_id, k, where, owners)
+            lagging = set() if len(found) == k else self._lagging(found, owners, tenant, session_id, where)
+            if not lagging:
+                break
+            if attempt == _SEARCH_ATTEMPTS - 1:
+                found = [record for record in found if record.item not in lagging]
+        return [self._touch(record) for record in found]
+
+    def _lagging(
+        self,
+        found: list[MemoryRecord],
+        owners: dict[str, bytes | None],
+        tenant: str,
+        session_id: str | None,
+        where: Callable[[MemoryRecord], bool] | None,
+    ) -> set[str]:
+        """The rows of the documents ``found`` holds only part of, though the missing parts are
+        live and pass the search's filters (the index had not seen them yet)."""
+        shown = {record.id for record in found}
+        rows = {record.item for record in found if record.item is not None and record.item.startswith("d/")}
+        lagging = set()
+        for row_key in rows:
+            for part_id in listed_parts(owners.get(row_key)) - shown:
+                part = self._live(tenant, part_id, owners)
+                if part is None or (session_id is not None and part.session_id != session_id):
+                    continue
+                if where is None or where(part):
+                    lagging.add(row_key)
+                    break
+        return lagging
+
+    def _ranked(
+        self,
+        vector: Any,
+        terms: Any,
+        tenant: str,
+        session_id: str | None,
+        k: int,
+        where: Callable[[MemoryRecord], bool] | None,
+        owners: dict[str, bytes | None],
+    ) -> list[MemoryRecord]:
+        """The search's first ``k`` live records, with their scores (not yet counted as accessed)."""
         found: list[MemoryRecord] = []
         seen: set[str] = set()
         limit = k + 16
@@ -403,12 +463,12 @@ class MemoryStore:
                 if hit.memory_id in seen:
                     continue
                 seen.add(hit.memory_id)
-                record = self._live(tenant, hit.memory_id)
+                record = self._live(tenant, hit.memory_id, owners)
                 if record is None or (session_id is not None and record.session_id != session_id):
                     continue
                 if where is not None and not where(record):
                     continue
-                found.append(replace(self._touch(record), score=hit.score))
+                found.append(replace(record, score=hit.score))
                 if len(found) == k:
                     return found
             if len(hits) < limit:  # the index has no more memories of this tenant
@@ -742,16 +802,18 @@ class MemoryStore:
         # after the head: a refused writer must not point a text at this memory (find_by_hash checks anyway)
         self.tier.set(tier_key("x", tenant, record.source_text_hash), memory_id.encode())
 
-    def _live(self, tenant: str, memory_id: str) -> MemoryRecord | None:
-        return self._live_at(tenant, memory_id, self.versions.read_head(tenant, memory_id)[1])
+    def _live(self, tenant: str, memory_id: str, owners: dict[str, bytes | None] | None = None) -> MemoryRecord | None:
+        return self._live_at(tenant, memory_id, self.versions.read_head(tenant, memory_id)[1], owners)
 
-    def _live_at(self, tenant: str, memory_id: str, head: Head | None) -> MemoryRecord | None:
+    def _live_at(
+        self, tenant: str, memory_id: str, head: Head | None, owners: dict[str, bytes | None] | None = None
+    ) -> MemoryRecord | None:
         if head is None or head.deleted:
             return None
         record = self.versions.read_record(tenant, memory_id, head.version, head.writer)
         if record is None or record.is_expired(self.now()):
             return None
-        if record.item is not None and not owns(self.tier, record, self.now()):
+        if record.item is not None and not owns(self.tier, record, self.now(), owners):
             return None  # an item's memory lives only while its row names it: the row is the truth
         return replace(record, fragment_source=self)
 

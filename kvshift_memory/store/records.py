@@ -32,8 +32,9 @@ class MemoryRecord:
         as deleted (``None``: never).
     :param indexed: whether the memory is embedded and found by search; ``False`` keeps it out
         of every search and recall (its text is never sent to the embedder).
-    :param item: for the memory of a named item, the key of the item row that owns it: the
-        memory is live only while that row names it.
+    :param item: for the memory of a named item, the key of the item row that owns it; for a
+        document's part, the key of the document's row: the memory is live only while that row
+        names it.
     :param document: for a part of a document (:meth:`MemoryStore.add_document`), the id its
         parts share; ``part`` is its place in the document (0 first) and ``source`` what the
         caller named the document (a file name, a URL).
@@ -96,7 +97,7 @@ class MemoryRecord:
             "semantic_keywords": lambda v: isinstance(v, list) and all(isinstance(k, str) for k in v),
             "expires_at": lambda v: v is None or _finite(v),
             "indexed": lambda v: isinstance(v, bool),
-            "item": lambda v: v is None or (isinstance(v, str) and v.startswith("i/")),
+            "item": lambda v: v is None or (isinstance(v, str) and v.startswith(("i/", "d/"))),
             "document": lambda v: v is None or (isinstance(v, str) and v.isalnum()),
             "part": lambda v: v is None or (isinstance(v, int) and not isinstance(v, bool) and v >= 0),
             "source": lambda v: v is None or isinstance(v, str),
