@@ -159,7 +159,20 @@ class _BoundedBytes:
         self.total = 0
 
 
-class HotTier:
+class _NoDisk:
+    """The upkeep of a tier with no files of its own: no stray files, no disk to relieve."""
+
+    def stray_files(self, older_than: float) -> list[tuple[str, int]]:
+        return []
+
+    def remove_stray_file(self, path: str) -> None:
+        return None
+
+    def relieve_disk(self) -> int:
+        return 0
+
+
+class HotTier(_NoDisk):
     """An in-process tier; blobs (keys under :data:`BLOB_PREFIX`) are kept within ``blob_bytes``,
     chunks within ``chunk_bytes``, both least recently used dropped first.
 
@@ -246,15 +259,6 @@ class HotTier:
     def chunk_usage(self) -> tuple[int, int]:
         with self._lock:
             return len(self._chunks), self._chunks.total
-
-    def stray_files(self, older_than: float) -> list[tuple[str, int]]:
-        return []
-
-    def remove_stray_file(self, path: str) -> None:
-        return None
-
-    def relieve_disk(self) -> int:
-        return 0
 
     def clear(self) -> None:
         with self._lock:
@@ -610,7 +614,7 @@ class DiskTier:
             self._chunk_cache.close()
 
 
-class RedisTier:
+class RedisTier(_NoDisk):
     """A Redis database shared by every process and machine that opens the same URL.
 
     :param url: ``redis://host:port/db`` (``rediss://`` for TLS); a node of a Redis Cluster is
@@ -708,15 +712,6 @@ class RedisTier:
         except self._errors as exc:
             raise StoreError(f"Redis at {self.url} failed on chunk usage: {exc}") from exc
         return len(sizes), sum(sizes)
-
-    def stray_files(self, older_than: float) -> list[tuple[str, int]]:
-        return []
-
-    def remove_stray_file(self, path: str) -> None:
-        return None
-
-    def relieve_disk(self) -> int:
-        return 0
 
     def append(self, log: str, value: bytes) -> int:
         return int(self._call("rpush", log, _as_bytes(value))) - 1
