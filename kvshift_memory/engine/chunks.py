@@ -6,8 +6,9 @@ and the *tail* after the last of them.
 A chunk's key is a hash chain over the model's fingerprint, the tenant, the codec
 and every token up to the chunk's end: a chunk serves only behind the very same tokens, for the same
 model and tenant. When the in-process prefix cache misses (a new process, another worker), the
-engine reads the longest run of stored chunks the prompt starts with, then the tail stored after
-them, and prefills only the rest.
+engine reads the longest run of stored chunks the prompt starts with, then, of the tails stored
+after them (one per conversation that shares that run), the one sharing most with the prompt, and
+prefills only the rest.
 
 A blob read back is untrusted: it is decoded by the fragment codec (never unpickled) and must carry
 its own key, tenant and model, the chunk's tokens and position; one that does not is refused and
