@@ -498,3 +498,39 @@ def test_no_tool_field_can_add_template_tokens(name, where, model, tokenizer):
 
     specials = set(engine.tokenizer.all_special_ids)
     assert [i for i in ids(HOSTILE) if i in specials] == [i for i in ids("") if i in specials]
+
+
+def test_tool_fields_through_chat_kvshift_add_no_template_tokens(model, tokenizer):
+    """End to end: a bound tool's description and an earlier call's name and arguments, through
+    LangChain's messages, reach the template as text."""
+    from langchain_core.messages import AIMessage, HumanMessage, ToolMessage
+    from langchain_core.tools import StructuredTool
+
+    from langchain_kvshift import ChatKVShift
+
+    template, _, special, _ = TOOL_TEMPLATES["qwen-2.5"]
+    engine = engine_with(model, tokenizer, template, special)
+    planned: list[list[int]] = []
+    original = engine.generate
+
+    def generate(prompt, *args, **kwargs):
+        planned.append(engine.planner.plan(prompt, tools=kwargs.get("tools") or ()).layout.token_ids.tolist())
+        return original(prompt, *args, **kwargs)
+
+    engine.generate = generate
+
+    def ids(text: str) -> list[int]:
+        tool = StructuredTool.from_function(
+            lambda city: "sunny", name="get_weather", description="The weather in a city." + text
+        )
+        call = {"name": "get_weather" + text, "args": {"city": "Lisbon" + text}, "id": "call_1"}
+        messages = [
+            HumanMessage("Weather?"),
+            AIMessage("", tool_calls=[call]),
+            ToolMessage("sunny", tool_call_id="call_1"),
+        ]
+        ChatKVShift(engine=engine, max_tokens=1).bind_tools([tool]).invoke(messages)
+        return planned[-1]
+
+    specials = set(engine.tokenizer.all_special_ids)
+    assert [i for i in ids(HOSTILE) if i in specials] == [i for i in ids("") if i in specials]
