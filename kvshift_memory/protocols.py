@@ -107,6 +107,10 @@ class Store(Protocol):
 
     def save_session(self, session_id: str, state: bytes, *, tenant: str, expected: bytes | None) -> bool: ...
 
+    def load_core(self, *, tenant: str) -> bytes | None: ...
+
+    def save_core(self, state: bytes, *, tenant: str, expected: bytes | None) -> bool: ...
+
 
 @runtime_checkable
 class ChunkStore(Protocol):

@@ -42,6 +42,7 @@ from .. import inputs
 from ..exceptions import InvalidInputError, MemoryNotFoundError, SessionBusyError
 from ..protocols import ChunkStore, Engine, Store
 from ..store.records import MemoryRecord
+from .core import CoreLine, change_block, core_text, read_block
 from .recall import (
     archive,
     archived_text,
@@ -178,6 +179,35 @@ class AgentMemory:
         self._warm([new])
         return target, new
 
+    def pin(self, memory_id: str) -> tuple[CoreLine, ...]:
+        """Put a memory of this user in the core block (:mod:`.core`): at its end, so every
+        session after this one starts with it and reuses the K/V of all before it.
+
+        :returns: the block's lines.
+        :raises MemoryNotFoundError: no live memory ``memory_id`` of this user.
+        :raises StoreError: the store failed.
+        """
+        record = self.store.get(inputs.check_identifier(memory_id, "memory_id"), tenant=self.user_id)
+        if record is None:
+            raise MemoryNotFoundError(f"no live memory {memory_id!r}")
+        return change_block(self.store, self.user_id, lambda b: b.pinned(record.id, record.version, record.text)).lines
+
+    def unpin(self, memory_id: str) -> tuple[CoreLine, ...]:
+        """Take a memory out of the core block (it stays a memory, recalled by search).
+
+        :returns: the block's lines.
+        :raises StoreError: the store failed.
+        """
+        memory_id = inputs.check_identifier(memory_id, "memory_id")
+        return change_block(self.store, self.user_id, lambda block: block.without(memory_id)).lines
+
+    def core(self) -> tuple[CoreLine, ...]:
+        """The core block's lines, in order (superseded ones until the block is compacted).
+
+        :raises StoreError: the store failed.
+        """
+        return read_block(self.store, self.user_id).lines
+
     def forget(self, text_or_id: str) -> MemoryRecord:
         """Delete a memory of this user: the one with this id, or the one closest to this text.
 
@@ -208,6 +238,7 @@ class AgentMemory:
                     "(none close enough, or two equally close); nothing was deleted"
                 )
             self._window = _forgetting(self._window, forgotten)
+            self._unpin_forgotten(forgotten)
             self._persist(lambda theirs: _forgetting(theirs, forgotten))
             return forgotten
         finally:
@@ -443,10 +474,21 @@ class AgentMemory:
             f"session {self.session_id!r} kept changing in other processes; its window was not saved"
         )
 
-    def _system_messages(self) -> list[dict[str, Any]]:
-        if self.settings.system_prompt is None:
+    def _system_messages(self, placed: tuple[CoreLine, ...] | None = None) -> list[dict[str, Any]]:
+        """The system message: the system prompt, then the core block's ``placed`` lines (read
+        from the store when not given)."""
+        placed = self._core_lines() if placed is None else placed
+        if self.settings.system_prompt is None and not placed:
             return []
-        return [{"role": "system", "content": self.settings.system_prompt}]
+        system = self.settings.system_prompt or self.engine.settings.system_prompt
+        return [{"role": "system", "content": f"{system}\n\n{core_text(placed)}" if placed else system}]
+
+    def _core_lines(self) -> tuple[CoreLine, ...]:
+        """The core block's lines that fit its budget (what the system message shows)."""
+        block = read_block(self.store, self.user_id)
+        if not block.lines:
+            return ()
+        return block.placed(self.settings.core_tokens, lambda text: self.engine.count_tokens(text, tenant=self.user_id))
 
     def _shifts(self, record: Any) -> bool:
         """Whether a recall would shift ``record``'s fragment in (so it is worth encoding now):
@@ -537,7 +579,13 @@ class AgentMemory:
         decision, forgotten = forget_closest(self.store, text, user_id=self.user_id)
         if forgotten is not None:
             self._window = _forgetting(self._window, forgotten)
+            self._unpin_forgotten(forgotten)
         return decision, forgotten
+
+    def _unpin_forgotten(self, forgotten: Any) -> None:
+        """A forgotten memory leaves the core block at once: its text is in no later prompt."""
+        if read_block(self.store, self.user_id).holds(forgotten.id):
+            change_block(self.store, self.user_id, lambda block: block.without(forgotten.id))
 
     def _apply_correction(self, text: str) -> tuple[Any, Any, bool]:
         """When ``text`` corrects one stored memory (:func:`find_correction`), supersede it and
@@ -560,6 +608,8 @@ class AgentMemory:
         # the version the correction was aimed at: a text changed meanwhile is not overwritten
         new = self.store.supersede(target.id, text, tenant=self.user_id, expected_version=target.version)
         self._window = [_without(turn, target) for turn in self._window]
+        if read_block(self.store, self.user_id).holds(new.id):  # appended: what precedes keeps its K/V
+            change_block(self.store, self.user_id, lambda block: block.updated(new.id, new.version, new.text))
         return new
 
     def _closest(self, message: str) -> Any:
@@ -596,7 +646,9 @@ class AgentMemory:
         forget = self._apply_forget(message)
         corrected, correction, ambiguous = (None, None, False) if forget else self._apply_correction(message)
         turns = list(self._window)
-        exclude = self._visible(turns)
+        core = self._core_lines()
+        in_core = {(line.memory_id, line.version) for line in core}  # the system message shows them
+        exclude = self._visible(turns) | in_core
         if correction is not None:
             exclude.add((correction.id, correction.version))  # its text is the message itself
         recalled = self._recall(message, exclude)
@@ -609,11 +661,12 @@ class AgentMemory:
             while turns and sum(t.tokens for t in turns) + needed > target:
                 evicted.append(turns.pop(0))
             if evicted:  # what shifted out may be recalled again, now that the window no longer shows it
-                recalled = self._recall(
-                    message, self._visible(turns) | ({(correction.id, correction.version)} if correction else set())
-                )
-        recalled = self._fitting(message, recalled, turns, max_new_tokens)
-        messages = self._system_messages()
+                shown = self._visible(turns) | in_core
+                if correction is not None:
+                    shown.add((correction.id, correction.version))
+                recalled = self._recall(message, shown)
+        messages = self._system_messages(core)
+        recalled = self._fitting(message, recalled, turns, max_new_tokens, messages)
         for turn in turns:
             messages.extend(turn.messages())
         user: dict[str, Any] = {"role": "user", "content": message}
@@ -625,12 +678,14 @@ class AgentMemory:
             message, recalled, corrected, correction, forget, turns, evicted, messages, retrieval_s, ambiguous
         )
 
-    def _fitting(self, message: str, recalled: list[Any], turns: list[Turn], max_new_tokens: int) -> list[Any]:
+    def _fitting(
+        self, message: str, recalled: list[Any], turns: list[Turn], max_new_tokens: int, system: list[dict[str, Any]]
+    ) -> list[Any]:
         """``recalled`` without the least relevant memories that would not fit the model's context
-        beside the system prompt, the window, the message and the reply (a memory stored before
-        parts had a bound, or one longer than the model reads, is left out, never an overflow)."""
-        system = self.settings.system_prompt
-        room = self.engine.max_positions - (self._tokens(system) + _MESSAGE_OVERHEAD if system else 0)
+        beside the ``system`` message (the system prompt and the core block), the window, the
+        message and the reply (a memory stored before parts had a bound, or one longer than the
+        model reads, is left out, never an overflow)."""
+        room = self.engine.max_positions - sum(self._tokens(m["content"]) + _MESSAGE_OVERHEAD for m in system)
         room -= sum(t.tokens for t in turns) + _MESSAGE_OVERHEAD + max_new_tokens
         while recalled and self._tokens(message, recalled) > room:
             recalled = recalled[1:]  # most relevant last: the first is the least

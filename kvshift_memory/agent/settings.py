@@ -43,6 +43,9 @@ class AgentSettings:
         and its K/V (the engine's chunks), so that an ``AgentMemory`` of the same user and session
         in another process, or on another worker, continues where it stopped without prefilling
         the conversation again. ``False`` keeps both in this process only.
+    :param core_tokens: the token budget of the user's core block (:mod:`.core`: the memories
+        pinned with :meth:`AgentMemory.pin`, laid after the system prompt in every session);
+        pinned memories past it are recalled by search. Not yet chosen by measurement.
     """
 
     system_prompt: str | None = None
@@ -59,12 +62,14 @@ class AgentSettings:
     busy_timeout_s: float = 300.0
     write_back: bool = True
     resume: bool = True
+    core_tokens: int = 2048
 
     def __post_init__(self) -> None:
         if self.system_prompt is not None:
             inputs.check_text(self.system_prompt, "system_prompt")
         inputs.check_positive_int(self.recall_k, "recall_k")
         inputs.check_positive_int(self.window_tokens, "window_tokens")
+        inputs.check_positive_int(self.core_tokens, "core_tokens")
         inputs.check_positive_int(self.max_new_tokens, "max_new_tokens")
         inputs.check_ratio(self.window_keep, "window_keep")
         inputs.check_ratio(self.importance_weight, "importance_weight")

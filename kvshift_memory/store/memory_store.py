@@ -717,6 +717,27 @@ class MemoryStore:
             raise InvalidInputError("a session state is bytes, at most 16 MiB")
         return self.tier.compare_and_set(key, expected, bytes(state))
 
+    def load_core(self, *, tenant: str) -> bytes | None:
+        """The core block an agent saved for ``tenant`` (:mod:`~kvshift_memory.agent.core`), or
+        ``None``. What comes back is untrusted: the agent parses and checks it.
+
+        :raises InvalidInputError: a malformed tenant.
+        :raises StoreError: the tier failed.
+        """
+        return self.tier.get(tier_key("k", inputs.check_identifier(tenant, "tenant")))
+
+    def save_core(self, state: bytes, *, tenant: str, expected: bytes | None) -> bool:
+        """Replace ``tenant``'s core block if it is still ``expected`` (``None``: none saved yet).
+
+        :returns: ``False`` (nothing written) when another process saved it first: read it again.
+        :raises InvalidInputError: a malformed tenant, or a state that is not bytes or is over 16 MiB.
+        :raises StoreError: the tier failed.
+        """
+        if not isinstance(state, (bytes, bytearray)) or len(state) > MAX_SESSION_BYTES:
+            raise InvalidInputError("a core block is bytes, at most 16 MiB")
+        key = tier_key("k", inputs.check_identifier(tenant, "tenant"))
+        return self.tier.compare_and_set(key, expected, bytes(state))
+
     def _session_key(self, session_id: Any, tenant: Any) -> str:
         return tier_key(
             "s", inputs.check_identifier(tenant, "tenant"), inputs.check_identifier(session_id, "session_id")
