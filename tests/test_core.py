@@ -27,7 +27,7 @@ def test_a_pin_appends_so_the_block_before_it_is_a_prefix():
     for number, fact in enumerate(FACTS):
         block = block.pinned(f"m{number}", 1, fact)
         texts.append(core_text(block.lines))
-    assert all(later.startswith(earlier) for earlier, later in zip(texts, texts[1:]))
+    assert all(later.startswith(earlier) for earlier, later in zip(texts, texts[1:], strict=False))
     assert block.pinned("m1", 1, FACTS[1]) == block  # pinned already: unchanged
 
 
