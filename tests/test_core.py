@@ -101,8 +101,8 @@ def test_every_session_and_process_starts_with_the_same_core_block_and_restores_
     with MemoryStore(folder, embedder=HashEmbedder(), codec="fp32") as store:  # a new process
         later = _engine(tokenizer)
         wednesday = _agent(later, store, "wednesday").chat("How is the weather?")
-        # from the stored chunks: every full chunk the block fills (a chunk it ends inside is computed)
-        assert wednesday.stats.restored_tokens >= block_tokens - 32
+        # from the stored chunks: the block's full chunks, then the part of another session's chunk it shares
+        assert wednesday.stats.restored_tokens >= block_tokens
         someone_else = _agent(later, store, "monday", user="bob")
         assert "Porto" not in str(someone_else._system_messages())  # one user's block is never another's
         assert someone_else.chat("Hello?").stats.restored_tokens == 0

@@ -76,10 +76,14 @@ def _chain(identity: _Identity, ids: torch.Tensor, chunk_tokens: int, chunks: in
     ).digest()
     digests = [state.hex()]
     for index in range(chunks):
-        piece = ids[index * chunk_tokens : (index + 1) * chunk_tokens].to(torch.int64).numpy().tobytes()
-        state = hashlib.blake2b(state + piece, digest_size=16).digest()
-        digests.append(state.hex())
+        digests.append(_after(digests[-1], ids[index * chunk_tokens : (index + 1) * chunk_tokens].tolist()))
     return digests
+
+
+def _after(digest: str, token_ids: Sequence[int]) -> str:
+    """The chain digest after a chunk of ``token_ids`` that follows the chain ``digest``."""
+    piece = torch.tensor(list(token_ids), dtype=torch.int64).numpy().tobytes()
+    return hashlib.blake2b(bytes.fromhex(digest) + piece, digest_size=16).hexdigest()
 
 
 def _key(digest: str, exact: bool, tail: bool = False) -> str:
@@ -107,7 +111,9 @@ def _read_tails(blob: bytes | None, chunk_tokens: int) -> list[tuple[int, ...]]:
     if not isinstance(tails, list) or len(tails) > _TAILS_PER_PLACE:
         return []
     if not all(
-        isinstance(tail, list) and 0 < len(tail) < chunk_tokens and all(type(i) is int and 0 <= i < 2**31 for i in tail)
+        isinstance(tail, list)
+        and 0 < len(tail) <= chunk_tokens
+        and all(type(i) is int and 0 <= i < 2**31 for i in tail)
         for tail in tails
     ):
         return []
@@ -276,7 +282,8 @@ class StoredChunks:
                 best = max(tails, key=lambda tokens: common_prefix(torch.tensor(tokens), here), default=None)
                 if best is None or common_prefix(torch.tensor(best), here) == 0:
                     return None, 0
-                key = _tail_key(digest, exact, best)
+                # a full chunk another conversation stored here serves the part this prompt shares
+                key = _key(_after(digest, best), exact) if len(best) == size else _tail_key(digest, exact, best)
             else:
                 key = _key(digest, exact)
             blob = store.load_chunk(key, tenant=identity.store_tenant)
@@ -364,8 +371,9 @@ class StoredChunks:
                 return
             if full:  # a tail is written again after every turn: what follows it changes
                 self._remember(store, identity.tenant, key)
-            else:
-                self._list_tail(store, identity, fragment, header["exact"] == "1")
+            # listed after the chain before it, a full chunk too: a conversation that shares only
+            # its start (the system message and the core block, then another question) reads that part
+            self._list_tail(store, identity, fragment, header["exact"] == "1")
 
     def _list_tail(self, store: ChunkStore, identity: _Identity, tail: Fragment, exact: bool) -> None:
         """Name ``tail`` first in the list of tails after its chain (an earlier tail of the same
