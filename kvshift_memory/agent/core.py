@@ -88,7 +88,7 @@ class CoreBlock:
         placed: list[CoreLine] = []
         used = count_tokens(CORE_HEADER) + 1
         for line in self.lines:
-            used += count_tokens(line.text) + 1
+            used += count_tokens(_shown(line.text)) + 1
             if used > budget_tokens:
                 break
             placed.append(line)
@@ -129,21 +129,27 @@ def change_block(store: Store, user_id: str, change: Callable[[CoreBlock], CoreB
     """Apply ``change`` to ``user_id``'s core block and save it by compare-and-set (another
     process's change first is read and ``change`` applied to it).
 
-    :returns: the block saved.
+    :returns: the block as it stands (nothing is written when ``change`` leaves it as it was).
     :raises SessionBusyError: it kept changing in other processes.
     :raises StoreError: the store failed.
     """
     for _ in range(_SAVE_ATTEMPTS):
         raw = store.load_core(tenant=user_id)
-        block = change(CoreBlock.from_bytes(raw))
-        if store.save_core(block.to_bytes(), tenant=user_id, expected=raw):
+        before = CoreBlock.from_bytes(raw)
+        block = change(before)
+        if block == before or store.save_core(block.to_bytes(), tenant=user_id, expected=raw):
             return block
     raise SessionBusyError(f"the core block of {user_id!r} kept changing in other processes; it was not saved")
 
 
 def core_text(lines: Sequence[CoreLine]) -> str:
     """The block as the system message shows it (``""`` for no lines)."""
-    return "" if not lines else "\n".join([CORE_HEADER, *(" ".join(line.text.split()) for line in lines)])
+    return "" if not lines else "\n".join([CORE_HEADER, *(_shown(line.text) for line in lines)])
+
+
+def _shown(text: str) -> str:
+    """A memory's text as one line of the block (its line breaks and runs of spaces as one space)."""
+    return " ".join(text.split())
 
 
 def _line(entry: Any) -> CoreLine:

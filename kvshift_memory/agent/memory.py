@@ -584,8 +584,7 @@ class AgentMemory:
 
     def _unpin_forgotten(self, forgotten: Any) -> None:
         """A forgotten memory leaves the core block at once: its text is in no later prompt."""
-        if read_block(self.store, self.user_id).holds(forgotten.id):
-            change_block(self.store, self.user_id, lambda block: block.without(forgotten.id))
+        change_block(self.store, self.user_id, lambda block: block.without(forgotten.id))
 
     def _apply_correction(self, text: str) -> tuple[Any, Any, bool]:
         """When ``text`` corrects one stored memory (:func:`find_correction`), supersede it and
@@ -608,8 +607,8 @@ class AgentMemory:
         # the version the correction was aimed at: a text changed meanwhile is not overwritten
         new = self.store.supersede(target.id, text, tenant=self.user_id, expected_version=target.version)
         self._window = [_without(turn, target) for turn in self._window]
-        if read_block(self.store, self.user_id).holds(new.id):  # appended: what precedes keeps its K/V
-            change_block(self.store, self.user_id, lambda block: block.updated(new.id, new.version, new.text))
+        # a pinned memory's new version is appended: what precedes it keeps its K/V
+        change_block(self.store, self.user_id, lambda block: block.updated(new.id, new.version, new.text))
         return new
 
     def _closest(self, message: str) -> Any:

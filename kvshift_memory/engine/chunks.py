@@ -279,8 +279,8 @@ class StoredChunks:
             if tail:  # of the tails stored here, the one sharing the most with the prompt
                 tails = _read_tails(store.load_chunk(_key(digest, exact, tail), tenant=identity.store_tenant), size)
                 here = ids[index * size :]
-                best = max(tails, key=lambda tokens: common_prefix(torch.tensor(tokens), here), default=None)
-                if best is None or common_prefix(torch.tensor(best), here) == 0:
+                shared, best = max(((common_prefix(torch.tensor(t), here), t) for t in tails), default=(0, ()))
+                if shared == 0:
                     return None, 0
                 # a full chunk another conversation stored here serves the part this prompt shares
                 key = _key(_after(digest, best), exact) if len(best) == size else _tail_key(digest, exact, best)
@@ -373,17 +373,18 @@ class StoredChunks:
                 self._remember(store, identity.tenant, key)
             # listed after the chain before it, a full chunk too: a conversation that shares only
             # its start (the system message and the core block, then another question) reads that part
-            self._list_tail(store, identity, fragment, header["exact"] == "1")
+            self._list(store, identity, fragment, header["exact"] == "1")
 
-    def _list_tail(self, store: ChunkStore, identity: _Identity, tail: Fragment, exact: bool) -> None:
-        """Name ``tail`` first in the list of tails after its chain (an earlier tail of the same
-        conversation, which it continues, leaves the list; past :data:`_TAILS_PER_PLACE` the
-        oldest goes). The list is a cache: two writers at once may each drop the other's entry,
-        which costs that conversation a prefill, never a wrong restore (a tail is checked on read)."""
-        key = _key(tail.context_digest, exact, tail=True)
+    def _list(self, store: ChunkStore, identity: _Identity, chunk: Fragment, exact: bool) -> None:
+        """Name ``chunk`` (a tail or a full chunk) first in the list of those stored after its chain
+        (an earlier tail of the same conversation, which it continues, leaves the list; past
+        :data:`_TAILS_PER_PLACE` the oldest goes). The list is a cache: two writers at once may each
+        drop the other's entry, which costs that conversation a prefill, never a wrong restore (a
+        chunk is checked on read)."""
+        key = _key(chunk.context_digest, exact, tail=True)
         try:
             listed = _read_tails(store.load_chunk(key, tenant=identity.store_tenant), self.chunk_tokens)
-            tails = [tail.token_ids, *(t for t in listed if t != tail.token_ids[: len(t)])][:_TAILS_PER_PLACE]
+            tails = [chunk.token_ids, *(t for t in listed if t != chunk.token_ids[: len(t)])][:_TAILS_PER_PLACE]
             store.save_chunk(key, _TAILS_MAGIC + json.dumps(tails).encode(), tenant=identity.store_tenant)
         except StoreError as exc:
             logger.warning("cannot store a K/V chunk: %s", exc)
