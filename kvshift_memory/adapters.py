@@ -15,8 +15,14 @@ Recall and archive:
 - :func:`forget_closest`: delete the memory a "forget …" request names, or nothing when unsure;
 - :class:`WriteBackModel`, :func:`turn_features`, :data:`FEATURES`: the write-back rule and the
   features it reads (fitted by ``benchmarks/writeback.py --fit``);
-- :func:`explicit_request`: whether a turn asks to remember or to forget.
+- :func:`explicit_request`: whether a turn asks to remember or to forget; :func:`joins_core`:
+  whether a stored turn joins the user's core block.
 - :func:`context_window`: a model's context window, read without loading its weights.
+
+The core block (what the agent always knows about a user, after the system prompt in every
+session): :func:`placed_lines` (the lines a session's prompt shows), :func:`core_text` (as the
+system message shows them), :func:`change_block` (pin, supersede or remove lines by
+compare-and-set), :func:`read_block` (every line, superseded ones too), :class:`CoreLine`, :data:`CORE_TOKENS`.
 
 Items (a key-value store's contract over the memory store, for LangGraph's ``BaseStore``):
 :class:`Item`, :func:`put_item`, :func:`get_item`, :func:`delete_item`, :func:`item_of` (a
@@ -42,16 +48,9 @@ and :class:`~kvshift_memory.protocols.Store`.
 
 from __future__ import annotations
 
-from .agent.recall import (
-    RECALL,
-    RecallSettings,
-    archive,
-    archived_text,
-    forget_closest,
-    last_sentence,
-    message_key,
-    recall,
-)
+from .agent.asks import archive, forget_closest, joins_core
+from .agent.core import CORE_TOKENS, CoreLine, change_block, core_text, placed_lines, read_block
+from .agent.recall import RECALL, RecallSettings, archived_text, last_sentence, message_key, recall
 from .agent.writeback import FEATURES, Decision, WriteBackModel, explicit_request, turn_features
 from .chat_turns import (
     CONSTRAINED_REPETITION_PENALTY,
@@ -94,6 +93,8 @@ from .store.items import (
 
 __all__ = [
     "CONSTRAINED_REPETITION_PENALTY",
+    "CORE_TOKENS",
+    "CoreLine",
     "FEATURES",
     "Decision",
     "Engine",
@@ -107,8 +108,10 @@ __all__ = [
     "WriteBackModel",
     "archive",
     "archived_text",
+    "change_block",
     "closed_schema",
     "context_window",
+    "core_text",
     "delete_item",
     "explicit_request",
     "forget_closest",
@@ -118,12 +121,15 @@ __all__ = [
     "is_call_name",
     "item_of",
     "item_tenants",
+    "joins_core",
     "last_sentence",
     "list_items",
     "marked_user_message",
     "message_key",
     "parse_markers",
     "parse_tool_calls",
+    "placed_lines",
+    "read_block",
     "plausible_reply_ids",
     "put_item",
     "recall",

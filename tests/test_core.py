@@ -138,3 +138,76 @@ def test_pinned_memories_past_the_budget_are_recalled_not_lost(tmp_path, tokeniz
         assert records[3].id in {r.id for r in reply.recalled}
         with pytest.raises(InvalidInputError):
             _agent(engine, store, "x", core_tokens=0)
+
+
+def _talker(engine, store, session: str, user: str = "ana") -> AgentMemory:
+    return AgentMemory(engine, store, user_id=user, session_id=session, max_new_tokens=4, recall_min_score=-1.0)
+
+
+def test_a_fact_the_user_states_joins_the_block_from_the_next_session(tmp_path, tokenizer):
+    with MemoryStore(tmp_path / "store", embedder=HashEmbedder()) as store:
+        engine = _engine(tokenizer)
+        monday = _talker(engine, store, "monday")
+        stated = monday.chat("I live in Porto and I work as a nurse at the city hospital.").archived
+        assert stated is not None and [line.memory_id for line in monday.core()] == [stated.id]
+        # this session's window shows the message: the block it places stays as it was, so its K/V is reused
+        again = monday.chat("What is a good book to read on a night shift?")
+        assert again.core == () and again.stats.reused_tokens > 0
+        tuesday = _talker(engine, store, "tuesday").chat("Any idea for dinner?")
+        assert [line.memory_id for line in tuesday.core] == [stated.id]
+        assert stated.id not in {r.id for r in tuesday.recalled}  # shown by the block: not recalled again
+        # another speaker's words, a question and a paste never join on their own
+        monday.observe("I am Bob, and I live in Braga.")
+        monday.chat("Where is the nearest pharmacy?")
+        monday.chat("I wrote this: " + "word " * 120)
+        assert [line.memory_id for line in monday.core()] == [stated.id]
+
+
+def test_a_correction_in_chat_appends_its_new_version_and_a_forget_removes_the_line_at_once(tmp_path, tokenizer):
+    with MemoryStore(tmp_path / "store", embedder=HashEmbedder()) as store:
+        engine = _engine(tokenizer)
+        monday = _talker(engine, store, "monday")
+        for fact in FACTS:
+            monday.chat(fact)
+        tuesday = _talker(engine, store, "tuesday")
+        before = core_text(tuesday.core())
+        reply = tuesday.chat("My daughter Lia was born in 2018, not 2019.")
+        assert reply.corrected is not None
+        lines = tuesday.core()
+        assert core_text(lines).startswith(before) and lines[-1].text.endswith("not 2019.")
+        assert [line.superseded for line in lines].count(True) == 1
+        wednesday = _talker(engine, store, "wednesday").chat("Hello!")
+        assert "born in 2018" in core_text(wednesday.core)
+        forgotten = _talker(engine, store, "wednesday")
+        assert forgotten.chat("Please forget that I am allergic to peanuts.").decision == "forget"
+        shown = str(forgotten._system_messages())
+        assert "peanuts" not in shown and all("peanuts" not in line.text for line in forgotten.core())
+        assert "peanuts" not in str(_talker(engine, store, "thursday")._system_messages())
+
+
+def test_the_block_is_the_same_tokens_in_another_process(tmp_path, tokenizer):
+    import json
+    import subprocess
+    import sys
+
+    folder = tmp_path / "store"
+    with MemoryStore(folder, embedder=HashEmbedder()) as store:
+        agent = _agent(_engine(tokenizer), store, "monday")
+        for fact in FACTS:
+            agent.pin(store.add(fact, tenant="ana").id)
+        here = tokenizer(core_text(agent.core()), add_special_tokens=False).input_ids
+    child = f"""
+import json
+from transformers import AutoTokenizer
+from kvshift_memory import MemoryStore
+from kvshift_memory.adapters import core_text, placed_lines
+from kvshift_memory.engine.loading import bundled_gguf_path
+gguf = bundled_gguf_path()
+tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+count = lambda text: len(tokenizer(text, add_special_tokens=False).input_ids)
+with MemoryStore({str(folder)!r}) as store:
+    lines = placed_lines(store, "ana", session_id="tuesday", count_tokens=count)
+print(json.dumps(tokenizer(core_text(lines), add_special_tokens=False).input_ids))
+"""
+    done = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=300, check=True)
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == here

@@ -11,8 +11,8 @@ import pytest
 
 from kvshift_memory import AgentMemory, MemoryStore
 from kvshift_memory.adapters import WriteBackModel, archive
+from kvshift_memory.agent.asks import find_correction
 from kvshift_memory.agent.corrections import corrects, is_correction_cue
-from kvshift_memory.agent.recall import find_correction
 
 CASES = json.loads((Path(__file__).parent / "data" / "corrections.json").read_text(encoding="utf-8"))["cases"]
 RULE = WriteBackModel.bundled()

@@ -45,6 +45,13 @@ def test_all_is_pinned():
 
 ADAPTERS = {
     "CONSTRAINED_REPETITION_PENALTY",
+    "CORE_TOKENS",
+    "CoreLine",
+    "change_block",
+    "core_text",
+    "joins_core",
+    "placed_lines",
+    "read_block",
     "put_item",
     "list_items",
     "message_key",

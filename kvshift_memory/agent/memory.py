@@ -42,17 +42,9 @@ from .. import inputs
 from ..exceptions import InvalidInputError, MemoryNotFoundError, SessionBusyError
 from ..protocols import ChunkStore, Engine, Store
 from ..store.records import MemoryRecord
-from .core import CoreLine, change_block, core_text, read_block
-from .recall import (
-    archive,
-    archived_text,
-    find_correction,
-    forget_closest,
-    last_sentence,
-    recall,
-    similarity,
-    store_once,
-)
+from .asks import archive, find_correction, forget_closest, forget_memory, store_once, supersede
+from .core import CoreLine, change_block, core_text, placed_lines, read_block
+from .recall import archived_text, last_sentence, recall, similarity
 from .sessions import decode_window, encode_window
 from .settings import AgentSettings
 from .turns import STREAM_END, Reply, ReplyStream, StreamFailure, Turn, TurnPlan
@@ -172,7 +164,7 @@ class AgentMemory:
                 raise MemoryNotFoundError(f"no live memory {memory_id!r}")
         self._acquire(stream=False)
         try:
-            new = self._supersede(target, text)
+            new = self._supersede(target, text, placed_at_once=True)
             self._persist(lambda theirs: [_without(turn, target) for turn in theirs])
         finally:
             self._release()
@@ -229,7 +221,7 @@ class AgentMemory:
             if text == text.strip() and len(text) <= 256 and text.isprintable():
                 by_id = self.store.get(text, tenant=self.user_id)
             if by_id is not None:
-                forgotten = by_id if self.store.delete(by_id.id, tenant=self.user_id) else None
+                forgotten = by_id if forget_memory(self.store, by_id, user_id=self.user_id) else None
             else:
                 _, forgotten = forget_closest(self.store, text, user_id=self.user_id)
             if forgotten is None:
@@ -238,7 +230,6 @@ class AgentMemory:
                     "(none close enough, or two equally close); nothing was deleted"
                 )
             self._window = _forgetting(self._window, forgotten)
-            self._unpin_forgotten(forgotten)
             self._persist(lambda theirs: _forgetting(theirs, forgotten))
             return forgotten
         finally:
@@ -485,10 +476,13 @@ class AgentMemory:
 
     def _core_lines(self) -> tuple[CoreLine, ...]:
         """The core block's lines that fit its budget (what the system message shows)."""
-        block = read_block(self.store, self.user_id)
-        if not block.lines:
-            return ()
-        return block.placed(self.settings.core_tokens, lambda text: self.engine.count_tokens(text, tenant=self.user_id))
+        return placed_lines(
+            self.store,
+            self.user_id,
+            session_id=self.session_id,
+            count_tokens=lambda text: self.engine.count_tokens(text, tenant=self.user_id),
+            budget_tokens=self.settings.core_tokens,
+        )
 
     def _shifts(self, record: Any) -> bool:
         """Whether a recall would shift ``record``'s fragment in (so it is worth encoding now):
@@ -579,12 +573,7 @@ class AgentMemory:
         decision, forgotten = forget_closest(self.store, text, user_id=self.user_id)
         if forgotten is not None:
             self._window = _forgetting(self._window, forgotten)
-            self._unpin_forgotten(forgotten)
         return decision, forgotten
-
-    def _unpin_forgotten(self, forgotten: Any) -> None:
-        """A forgotten memory leaves the core block at once: its text is in no later prompt."""
-        change_block(self.store, self.user_id, lambda block: block.without(forgotten.id))
 
     def _apply_correction(self, text: str) -> tuple[Any, Any, bool]:
         """When ``text`` corrects one stored memory (:func:`find_correction`), supersede it and
@@ -602,13 +591,14 @@ class AgentMemory:
             return None, None, decision == "correction_ambiguous"
         return corrected, self._supersede(corrected, text), False
 
-    def _supersede(self, target: Any, text: str) -> Any:
-        """Store ``text`` as the new version of ``target``; no window turn shows the old one any more."""
-        # the version the correction was aimed at: a text changed meanwhile is not overwritten
-        new = self.store.supersede(target.id, text, tenant=self.user_id, expected_version=target.version)
+    def _supersede(self, target: Any, text: str, *, placed_at_once: bool = False) -> Any:
+        """Store ``text`` as the new version of ``target``; no window turn shows the old one any
+        more. A core line's new version is placed from the next session on, as the window shows
+        the correcting message, unless ``placed_at_once`` (a :meth:`correct` call: no turn shows it)."""
+        new = supersede(
+            self.store, target, text, user_id=self.user_id, session_id="" if placed_at_once else self.session_id
+        )
         self._window = [_without(turn, target) for turn in self._window]
-        # a pinned memory's new version is appended: what precedes it keeps its K/V
-        change_block(self.store, self.user_id, lambda block: block.updated(new.id, new.version, new.text))
         return new
 
     def _closest(self, message: str) -> Any:
@@ -674,7 +664,7 @@ class AgentMemory:
         messages.append(user)
         retrieval_s = time.perf_counter() - started
         return TurnPlan(
-            message, recalled, corrected, correction, forget, turns, evicted, messages, retrieval_s, ambiguous
+            message, recalled, corrected, correction, forget, turns, evicted, messages, retrieval_s, ambiguous, core
         )
 
     def _fitting(
@@ -720,6 +710,7 @@ class AgentMemory:
             text=turn.reply,
             stats=stats,
             recalled=list(plan.recalled),
+            core=plan.core,
             decision=decision,
             importance=importance,
             archived=turn.archived,

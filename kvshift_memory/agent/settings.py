@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from .. import inputs
 from ..exceptions import InvalidInputError
+from .core import CORE_TOKENS
 from .recall import RECALL
 
 __all__ = ["AgentSettings"]
@@ -62,7 +63,7 @@ class AgentSettings:
     busy_timeout_s: float = 300.0
     write_back: bool = True
     resume: bool = True
-    core_tokens: int = 2048
+    core_tokens: int = CORE_TOKENS
 
     def __post_init__(self) -> None:
         if self.system_prompt is not None:

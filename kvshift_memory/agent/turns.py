@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ..store.records import MemoryRecord
+from .core import CoreLine
 from .writeback import Decision
 
 if TYPE_CHECKING:  # the engine's package brings torch: a type here only
@@ -48,6 +49,7 @@ class Reply:
     :param stats: the engine's :class:`~kvshift_memory.ReuseStats` for the turn (TTFT, reused,
         recomputed and prefilled tokens, fragments hit and missed).
     :param recalled: the memories recalled into this turn, most relevant last.
+    :param core: the lines of the user's core block this turn's system message showed, in order.
     :param decision: the write-back decision, a :data:`~kvshift_memory.agent.writeback.Decision`:
         ``"archive"``, ``"defer"``, ``"window"``, ``"forget"``, ``"forget_ambiguous"`` or
         ``"correction_ambiguous"``.
@@ -66,6 +68,7 @@ class Reply:
     text: str
     stats: ReuseStats
     recalled: list[MemoryRecord] = field(default_factory=list)
+    core: tuple[CoreLine, ...] = ()
     decision: Decision = "window"
     importance: float = 0.0
     archived: MemoryRecord | None = None
@@ -95,6 +98,7 @@ class TurnPlan:
     messages: list[dict[str, Any]]
     retrieval_s: float
     ambiguous_correction: bool = False  # worded as a correction, matched no single memory: changes nothing
+    core: tuple[CoreLine, ...] = ()  # the core block's lines the system message shows
 
 
 STREAM_END = object()

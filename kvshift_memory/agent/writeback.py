@@ -28,6 +28,7 @@ __all__ = [
     "Decision",
     "WriteBackModel",
     "explicit_request",
+    "first_person",
     "forget_subject",
     "is_question_only",
     "turn_features",
@@ -131,6 +132,11 @@ def content_words(text: str) -> list[str]:
     return [w for w in _words(text) if w not in _PLAIN_WORDS and (len(w) > 1 or w.isdigit())]
 
 
+def first_person(text: str) -> bool:
+    """Whether ``text`` speaks of its speaker ("I", "my", "we", ...)."""
+    return bool(_FIRST_PERSON.search(text))
+
+
 def turn_features(text: str, previous: str = "") -> list[float]:
     """The :data:`FEATURES` of a turn ``text`` that follows ``previous`` (raw, not standardised)."""
     words = _words(text)
@@ -147,7 +153,7 @@ def turn_features(text: str, previous: str = "") -> list[float]:
         len(content) / len(words) if words else 0.0,
         float(any(c.isdigit() for c in text)),
         capitalised**0.5,
-        float(bool(_FIRST_PERSON.search(text))),
+        float(first_person(text)),
         float(text.strip().endswith("?")),
         float(previous.strip().endswith("?")),
     ]

@@ -8,6 +8,12 @@ state (same id), so the next turn's prompt starts with this one and the engine r
 After the final answer, the human's message is written back when the bundled write-back rule
 finds it worth keeping.
 
+The user's core block (``docs/how-it-works.md``: the facts they stated about themselves, what
+they pinned, and with ``profile=`` the profile item LangMem's profile pattern keeps, one per user)
+is laid after the system prompt of every model call, in the same order in every session, so its
+K/V is reused exactly from one conversation to the next and restored from the store after a
+restart. Memories the block shows are not recalled again.
+
 One agent serves every user: the user (and session) come from the run's context
 (``agent.invoke(..., context={"user_id": "alice", "session_id": "s1"})``, a dict or an object with
 those attributes) and the store from ``create_agent(store=KVShiftStore(...))``, unless given at
@@ -22,17 +28,24 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from langchain.agents.middleware import AgentMiddleware, AgentState, ModelRequest, ModelResponse
-from langchain_core.messages import AIMessage, HumanMessage
+from langchain_core.language_models import BaseChatModel
+from langchain_core.messages import AIMessage, HumanMessage, SystemMessage
 from langgraph.runtime import Runtime
 
-from kvshift_memory import InvalidInputError, MemoryStore
+from kvshift_memory import InvalidInputError, MemoryStore, inputs
 from kvshift_memory.adapters import (
+    CORE_TOKENS,
     RECALL,
+    CoreLine,
     WriteBackModel,
     archive,
+    change_block,
+    core_text,
+    get_item,
     last_sentence,
     message_key,
     parse_markers,
+    placed_lines,
     recall,
     render_memories,
 )
@@ -43,6 +56,8 @@ __all__ = ["KVShiftMiddleware"]
 
 # the human's own words, kept on the marked message (the content also holds the recalled memories)
 ORIGINAL = "kvshift_original"
+# characters per token, to size the core block for a model whose tokenizer this cannot count with
+_CHARS_PER_TOKEN = 4
 
 
 class KVShiftMiddleware(AgentMiddleware):
@@ -57,6 +72,12 @@ class KVShiftMiddleware(AgentMiddleware):
     :param recall_k: memories recalled per message (most relevant last), each with a similarity of
         at least ``recall_min_score``; memories the conversation shows already are skipped.
     :param write_back: archive the human's messages the bundled write-back rule finds worth keeping.
+    :param core: lay the user's core block after the system prompt of every model call.
+    :param core_tokens: the block's budget in tokens (lines past it are recalled by search).
+    :param profile: the namespace and key of the user's profile item, ``"{user_id}"`` standing
+        for the user (LangMem's ``("memories", "{user_id}", "profile")``): its text is a line of
+        the core block, and a new profile appends a line that supersedes the last one.
+    :raises InvalidInputError: a bad ``core_tokens`` or ``profile``.
     """
 
     def __init__(
@@ -69,8 +90,20 @@ class KVShiftMiddleware(AgentMiddleware):
         recall_min_score: float = RECALL.min_score,
         memories_header: str = "What you remember about the user:",
         write_back: bool = True,
+        core: bool = True,
+        core_tokens: int = CORE_TOKENS,
+        profile: tuple[str, ...] | None = None,
     ) -> None:
         super().__init__()
+        if profile is not None and not (
+            isinstance(profile, tuple) and len(profile) >= 2 and all(isinstance(label, str) for label in profile)
+        ):
+            raise InvalidInputError(
+                f"profile is a namespace and a key, as ('memories', '{{user_id}}', 'profile'), got {profile!r}"
+            )
+        self.core = core
+        self.core_tokens = inputs.check_positive_int(core_tokens, "core_tokens")
+        self.profile = profile
         self.store = store
         self.user_id = user_id
         self.session_id = session_id
@@ -110,16 +143,60 @@ class KVShiftMiddleware(AgentMiddleware):
         return store, user, session if isinstance(session, str) and session else None
 
     def wrap_model_call(self, request: ModelRequest, handler: Callable[[ModelRequest], ModelResponse]) -> ModelResponse:
-        """Tell a ChatKVShift model whose call this is (its K/V reuse and memory markers follow the user)."""
+        """Lay the user's core block after the system prompt, and tell a ChatKVShift model whose
+        call this is (its K/V reuse and memory markers follow the user)."""
         return handler(self._for_user(request))
 
     async def awrap_model_call(
         self, request: ModelRequest, handler: Callable[[ModelRequest], Awaitable[ModelResponse]]
     ) -> ModelResponse:
-        """:meth:`wrap_model_call` for async runs."""
-        return await handler(self._for_user(request))
+        """:meth:`wrap_model_call` for async runs (the store is read in a worker thread)."""
+        return await handler(await asyncio.to_thread(self._for_user, request))
+
+    def core_lines(self, runtime: Runtime[Any] | None, model: BaseChatModel | None = None) -> tuple[CoreLine, ...]:
+        """The lines of the user's core block this run's prompt shows (the profile item read first).
+
+        :raises InvalidInputError: as :meth:`who`; :class:`StoreError`: the store failed.
+        """
+        if not self.core:
+            return ()
+        store, user, session = self.who(runtime)
+        if self.profile is not None:
+            self._place_profile(store, user, runtime)
+        engine = model.engine if isinstance(model, ChatKVShift) else None
+        if engine is not None:
+
+            def count(text: str) -> int:
+                return engine.count_tokens(text, tenant=user)
+        else:
+
+            def count(text: str) -> int:
+                return len(text) // _CHARS_PER_TOKEN + 1
+
+        # without a session, a fact stated in this conversation is placed at once (nothing tells it from the next)
+        return placed_lines(store, user, session_id=session, count_tokens=count, budget_tokens=self.core_tokens)
+
+    def _place_profile(self, store: MemoryStore, user: str, runtime: Runtime[Any] | None) -> None:
+        """Append the profile item's text to the core block when it changed (a line per profile
+        version, the last one current), or take its lines out when the item is gone."""
+        assert self.profile is not None
+        *namespace, key = (label.replace("{user_id}", user) for label in self.profile)
+        agent_store = getattr(runtime, "store", None)
+        tenant = agent_store.tenant_of(namespace) if isinstance(agent_store, KVShiftStore) else user
+        item = get_item(store, tenant, namespace, key)
+        line_key = "profile\0" + "\0".join([*namespace, key])
+        if item is None:
+            change_block(store, user, lambda block: block.without_key(line_key))
+        else:
+            memory = item.memory
+            change_block(store, user, lambda block: block.pinned(memory.id, memory.version, memory.text, "", line_key))
 
     def _for_user(self, request: ModelRequest) -> ModelRequest:
+        lines = self.core_lines(request.runtime, request.model)
+        if lines:
+            system = request.system_prompt
+            block = core_text(lines)
+            request = request.override(system_message=SystemMessage(f"{system}\n\n{block}" if system else block))
         if not isinstance(request.model, ChatKVShift):
             return request
         store, user, _ = self.who(request.runtime)
@@ -144,6 +221,7 @@ class KVShiftMiddleware(AgentMiddleware):
             for span in parse_markers(m.text)
             if span.memory_id and span.version is not None
         }
+        shown.update((line.memory_id, line.version) for line in self.core_lines(runtime))  # the block shows them
         recalled = recall(
             store,
             last.text,

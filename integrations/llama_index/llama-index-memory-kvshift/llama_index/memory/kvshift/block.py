@@ -13,6 +13,13 @@ previous one's cache (with the default, the system message would change every tu
 The user's messages are written back as the bundled write-back rule decides, when a block first
 sees them; a message the rule defers (a question that states nothing new) is stored when
 ``Memory`` flushes it out of its window.
+
+``KVShiftMemoryBlock(core=True)`` shows the user's core block instead (``docs/how-it-works.md``:
+the facts they stated about themselves, what they pinned, and the content of ``core_blocks``, such
+as a ``StaticMemoryBlock``'s text or a ``FactExtractionMemoryBlock``'s facts, one line per block):
+a system message at the front of the prompt, the same in every session, so its K/V is reused
+exactly from one conversation to the next. Give the ``Memory`` both: a core block, and a recall
+block (which writes back).
 """
 
 from __future__ import annotations
@@ -22,20 +29,25 @@ import hashlib
 import threading
 from typing import Any
 
-from llama_index.core.base.llms.types import ChatMessage, MessageRole
+from llama_index.core.base.llms.types import ChatMessage, MessageRole, TextBlock
 from llama_index.core.memory import BaseMemoryBlock
 from pydantic import ConfigDict, Field, PrivateAttr
 
 from kvshift_memory import InvalidInputError, MemoryRecord, MemoryStore
 from kvshift_memory.adapters import (
+    CORE_TOKENS,
     RECALL,
     Decision,
     WriteBackModel,
     archive,
     archived_text,
+    change_block,
+    core_text,
     explicit_request,
     last_sentence,
     message_key,
+    placed_lines,
+    read_block,
     recall,
     render_memories,
 )
@@ -58,6 +70,13 @@ class KVShiftMemoryBlock(BaseMemoryBlock[str]):
         ``recall_min_score`` similar to it; memories whose text the window shows already are skipped.
     :param memories_header: the line in front of the recalled memories.
     :param write_back: archive the user's messages the bundled write-back rule finds worth keeping.
+    :param core: show the user's core block (a system message) instead of recalled memories; a
+        core block writes nothing back.
+    :param core_tokens: the core block's budget (about four characters a token; past it, lines
+        are recalled by search).
+    :param core_blocks: LlamaIndex blocks whose content joins the core block, one line each
+        (a changed content appends a line that supersedes the last); messages ``Memory`` flushes
+        are handed to them (a fact block extracts its facts from them).
     """
 
     model_config = ConfigDict(arbitrary_types_allowed=True)
@@ -70,13 +89,20 @@ class KVShiftMemoryBlock(BaseMemoryBlock[str]):
     recall_min_score: float = RECALL.min_score
     memories_header: str = "What you remember about the user:"
     write_back: bool = True
+    core: bool = False
+    core_tokens: int = Field(default=CORE_TOKENS, gt=0)
+    core_blocks: list[BaseMemoryBlock] = Field(default_factory=list, exclude=True)
     _rule: WriteBackModel = PrivateAttr(default_factory=WriteBackModel.bundled)
     # the write-back decision of each user message seen in this process, by (session, message digest)
     # by (session, the message's digest, the digest of the reply it follows)
     _decisions: dict[tuple[str, str, str], Decision] = PrivateAttr(default_factory=dict)
     _lock: threading.Lock = PrivateAttr(default_factory=threading.Lock)
 
-    async def _aget(self, messages: list[ChatMessage] | None = None, **block_kwargs: Any) -> str:
+    # a core block's content is a system message, which ``Memory`` takes from any block (its
+    # type variable allows one content type per class, this class has a mode of each)
+    async def _aget(  # type: ignore[override]
+        self, messages: list[ChatMessage] | None = None, **block_kwargs: Any
+    ) -> str | list[ChatMessage]:
         """The memories recalled for the latest user message of ``messages``; ``""`` for none.
 
         The message is written back first (a request to forget is carried out before the recall);
@@ -88,6 +114,9 @@ class KVShiftMemoryBlock(BaseMemoryBlock[str]):
         messages = _checked(messages)
         session_id = block_kwargs.get("session_id")
         session = session_id if isinstance(session_id, str) and session_id else "default"
+        if self.core:
+            contents = [(block.name, _text(await block.aget(messages, **block_kwargs))) for block in self.core_blocks]
+            return await asyncio.to_thread(self._core_messages, contents, session)
         return await asyncio.to_thread(self._recall_and_write_back, messages, session)
 
     async def _aput(self, messages: list[ChatMessage]) -> None:
@@ -96,11 +125,18 @@ class KVShiftMemoryBlock(BaseMemoryBlock[str]):
         :raises InvalidInputError: not a list of ``ChatMessage``; ``StoreError``: the store cannot be written.
         """
         messages = _checked(messages)
+        if self.core:
+            for block in self.core_blocks:
+                await block.aput(messages)
+            return
         await asyncio.to_thread(self._write_back_flushed, messages)
 
-    async def atruncate(self, content: str, tokens_to_truncate: int) -> str | None:
+    async def atruncate(self, content: Any, tokens_to_truncate: int) -> Any:
         """``content`` without its least relevant memories (its first lines), about
-        ``tokens_to_truncate`` tokens shorter; ``None`` when no memory is left."""
+        ``tokens_to_truncate`` tokens shorter; ``None`` when no memory is left. A core block is
+        never cut here (its budget is ``core_tokens``): cutting it would change every later token."""
+        if not isinstance(content, str):
+            return content
         header, *lines = content.split("\n")
         removed = 0
         while lines and removed < tokens_to_truncate:
@@ -108,6 +144,38 @@ class KVShiftMemoryBlock(BaseMemoryBlock[str]):
         return "\n".join([header, *lines]) if lines else None
 
     # ------------------------------------------------------------------ internals
+
+    def _core_messages(self, contents: list[tuple[str, str]], session: str) -> list[ChatMessage]:
+        """The core block as a system message (none when empty), ``contents`` placed in it first."""
+        for name, text in contents:
+            self._place_content(name, text)
+        lines = placed_lines(
+            self.store,
+            self.user_id,
+            session_id=session,
+            count_tokens=lambda text: len(text) // _CHARS_PER_TOKEN + 1,
+            budget_tokens=self.core_tokens,
+        )
+        return [ChatMessage(role=MessageRole.SYSTEM, content=core_text(lines))] if lines else []
+
+    def _place_content(self, name: str, text: str) -> None:
+        """A core block's content as its line: a new memory the first time, a new version when it changed."""
+        key = f"block\0{name}"
+        if not text.strip():
+            change_block(self.store, self.user_id, lambda block: block.without_key(key))
+            return
+        lines = read_block(self.store, self.user_id).lines
+        current = next((line for line in lines if line.key == key and not line.superseded), None)
+        if current is not None and current.text == text:
+            return
+        live = None if current is None else self.store.get(current.memory_id, tenant=self.user_id)
+        if live is not None:
+            memory = self.store.supersede(live.id, text, tenant=self.user_id, expected_version=live.version)
+        else:
+            memory = self.store.add(text, tenant=self.user_id, session_id=None, importance_score=1.0)
+        change_block(
+            self.store, self.user_id, lambda block: block.pinned(memory.id, memory.version, memory.text, "", key)
+        )
 
     def _recall_and_write_back(self, messages: list[ChatMessage], session: str) -> str:
         users = [i for i, message in enumerate(messages) if message.role == MessageRole.USER]
@@ -191,6 +259,15 @@ def _checked(messages: Any) -> list[ChatMessage]:
     if not isinstance(messages, list) or not all(isinstance(m, ChatMessage) for m in messages):
         raise InvalidInputError("messages must be a list of ChatMessage")
     return messages
+
+
+def _text(content: Any) -> str:
+    """A block's content as text: a string, or the text of its content blocks, one per line."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "\n".join(part.text for part in content if isinstance(part, TextBlock))
+    return ""
 
 
 def _reply_before(messages: list[ChatMessage], index: int) -> str:
