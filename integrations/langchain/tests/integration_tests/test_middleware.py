@@ -124,3 +124,41 @@ def test_the_same_request_to_forget_later_is_carried_out_again_and_a_replay_dele
             middleware.after_model({"messages": later}, None)
             assert store.get(new_code.id, tenant="alice") is None
             assert store.get(kept.id, tenant="alice") is not None
+
+
+def test_the_users_core_block_and_langmem_profile_lead_the_system_message_in_every_session(tmp_path):
+    from langchain_kvshift import KVShiftStore
+
+    with MemoryStore(tmp_path / "store") as memory_store:
+        store = KVShiftStore(memory_store, tenant_at=1)  # LangMem's layout: ("memories", user_id)
+        store.put(("memories", "alice"), "profile", {"content": "Alice Moreau, a pharmacist in Lyon."})
+        store.put(("memories", "bob"), "profile", {"content": "Bob Kane, a pilot in Oslo."})
+        llm = ChatKVShift(store=memory_store, user_id="alice", max_tokens=8)
+        engine = llm.loaded_engine()
+        prompts: list[str] = []
+        original = engine.generate
+
+        def generate(messages, *args, **kwargs):
+            prompts.append(messages[0]["content"] if messages[0]["role"] == "system" else "")
+            return original(messages, *args, **kwargs)
+
+        engine.generate = generate
+        middleware = KVShiftMiddleware(profile=("memories", "{user_id}", "profile"))
+        agent = create_agent(model=llm, tools=[], middleware=[middleware], store=store, system_prompt="Be brief.")
+        try:
+            for session in ("monday", "tuesday"):
+                agent.invoke(
+                    {"messages": [HumanMessage("Hello, what should I cook tonight?")]},
+                    context={"user_id": "alice", "session_id": session},
+                )
+            store.put(("memories", "alice"), "profile", {"content": "Alice Moreau, a pharmacist in Paris now."})
+            agent.invoke(
+                {"messages": [HumanMessage("Any plans?")]}, context={"user_id": "alice", "session_id": "wednesday"}
+            )
+        finally:
+            engine.generate = original
+    monday, tuesday, wednesday = prompts
+    assert monday == tuesday and monday.startswith("Be brief.") and "Alice Moreau, a pharmacist in Lyon." in monday
+    assert "Oslo" not in monday  # one user's profile is never another's
+    # a new profile supersedes the last; alone in the block, the superseded line passes the share: compacted
+    assert wednesday.endswith("Alice Moreau, a pharmacist in Paris now.") and "Lyon" not in wednesday

@@ -228,3 +228,37 @@ def test_the_decisions_a_block_keeps_are_bounded(store, monkeypatch):
     assert len(block._decisions) == 2
     asyncio.run(block.aget([ChatMessage(role="user", content="I like green tea.")]))  # forgotten: judged again
     assert [r.text for r in store.search("green tea", tenant="alice", k=5)].count("I like green tea.") == 1
+
+
+def test_a_core_block_places_the_users_stated_facts_and_static_blocks_as_a_system_message(store, tmp_path):
+    from llama_index.core.memory import StaticMemoryBlock
+
+    def memory(session_id: str, static: str, user: str = "alice") -> Memory:
+        core = KVShiftMemoryBlock(
+            name="core",
+            store=store,
+            user_id=user,
+            core=True,
+            core_blocks=[StaticMemoryBlock(name="style", static_content=static)],
+        )
+        return Memory.from_defaults(
+            session_id=session_id,
+            token_limit=4000,
+            memory_blocks=[core, KVShiftMemoryBlock(store=store, user_id=user)],
+            insert_method="user",
+            async_database_uri=f"sqlite+aiosqlite:///{tmp_path / 'chat.db'}",
+        )
+
+    monday = memory("monday", "Answer in French.")
+    monday.put(ChatMessage(role="user", content=FACT))
+    first = monday.get()
+    assert first[0].role == "system" and "Answer in French." in first[0].content and FACT not in first[0].content
+    tuesday = memory("tuesday", "Answer in French.")
+    tuesday.put(ChatMessage(role="user", content=QUESTION))
+    second = tuesday.get()
+    assert second[0].role == "system" and FACT in second[0].content  # stated on Monday: core from Tuesday on
+    assert memory("wednesday", "Answer in French.").get()[0].content == second[0].content  # the same every session
+    changed = memory("thursday", "Answer in Spanish.").get()[0].content
+    # appended after the fact (here past the compaction share: the superseded line went)
+    assert changed.endswith(f"{FACT}\nAnswer in Spanish.") and "French" not in changed
+    assert not memory("friday", "x", user="bob").get()[0].content.count("Porto")  # never another user's
