@@ -13,13 +13,24 @@ interleaved, each repeat a new question:
 - ``none``: the same prompt, ``reuse="none"``.
 
 The greedy answers of both arms are compared (with the exact codec, fp32, they must be equal);
-the default codec (int8) is measured too. This is the first part of ``docs/benchmarks/core_memory.md``'s
-plan (issue 53): answers with the core block against recall only, and a session with corrections,
-are not measured here yet.
+the default codec (int8) is measured too.
+
+``--parts answers``: a user states :data:`FACTS` (written for this benchmark) in chat in one
+session; write-back keeps them and the ones about the user join the core block. In later
+sessions each fact is asked once (a new session per question): with the core block (the default)
+and with recall only (``core_tokens=1``: nothing placed, every memory recalled by search, k=4).
+Then :data:`CORRECTIONS` are said in chat, and the corrected facts are asked again in new sessions:
+an answer is right when it holds the expected word.
+
+``--parts session``: after the facts and a ~1k-token pinned block, one 20-turn session with 3
+corrections and 1 forget of core facts: the share of each turn's prompt reused, whether the
+forgotten text is in any later prompt, and how far the turn after the forget reused its prompt
+(the stored K/V holding the forgotten line is never read again when that stops before the line).
 
 Data is read from ../shared/data/locomo (CC BY-NC 4.0), never copied.
 
     python benchmarks/core_memory.py [--models smollm2-135m-instruct,gemma-3-270m] [--blocks 1000,2000]
+        [--parts restart,answers,session]
 
 Prints a table and writes ``benchmarks/results/core_memory.json``.
 """
@@ -44,6 +55,47 @@ from benchdata import locomo_turns, write_report  # noqa: E402
 
 from kvshift_memory import AgentMemory, KVShiftEngine, MemoryStore  # noqa: E402
 
+FACTS = [
+    ("My name is Clara Jensen.", "What is my name?", "clara"),
+    ("I live in Aarhus, in Denmark.", "Which city do I live in?", "aarhus"),
+    ("I work as a marine biologist.", "What is my job?", "biologist"),
+    ("My dog is called Pepper.", "What is my dog called?", "pepper"),
+    ("My favourite food is ramen.", "What is my favourite food?", "ramen"),
+    ("I am allergic to penicillin.", "What am I allergic to?", "penicillin"),
+    ("My sister Ingrid works as a pilot.", "What does my sister Ingrid do for work?", "pilot"),
+    ("I drive a green Volvo.", "What car do I drive?", "volvo"),
+    ("My birthday is on the 14th of March.", "When is my birthday?", "march"),
+    ("I play the cello in a city orchestra.", "Which instrument do I play?", "cello"),
+    ("My wife Sofie teaches chemistry at a high school.", "What does my wife Sofie teach?", "chemistry"),
+    ("I am learning Japanese in the evenings.", "Which language am I learning?", "japanese"),
+    ("My favourite football team is Ajax.", "Which football team do I support?", "ajax"),
+    ("My son Emil is seven years old.", "How old is my son Emil?", "seven|7"),
+    ("I take my coffee black, without sugar.", "How do I take my coffee?", "black"),
+    ("My office is on the ninth floor.", "Which floor is my office on?", "ninth|9"),
+    ("My favourite author is Tove Jansson.", "Who is my favourite author?", "jansson"),
+    ("I grew up in Bergen, in Norway.", "Where did I grow up?", "bergen"),
+    ("My bank is Nordea.", "Which bank do I use?", "nordea"),
+    ("My doctor is called Dr. Hansen.", "What is my doctor's name?", "hansen"),
+]
+CORRECTIONS = [
+    ("My dog is called Mango, not Pepper.", "What is my dog called?", "mango"),
+    ("I live in Odense now, not Aarhus.", "Which city do I live in?", "odense"),
+    ("My favourite food is sushi, not ramen.", "What is my favourite food?", "sushi"),
+    ("I drive a Toyota, not a Volvo.", "What car do I drive?", "toyota"),
+    ("My office is on the fourth floor, not the ninth.", "Which floor is my office on?", "fourth|4"),
+    ("I am learning Korean, not Japanese.", "Which language am I learning?", "korean"),
+]
+FORGET = ("Please forget that I am allergic to penicillin.", "I am allergic to penicillin.")
+SMALL_TALK = [
+    "Good morning!",
+    "What should I cook tonight?",
+    "ok thanks",
+    "Any idea for a weekend trip?",
+    "haha nice",
+    "Can you suggest a book for the train?",
+    "What is a good stretch after running?",
+    "Tell me a fun fact about octopuses.",
+]
 QUESTIONS = [
     "What do you remember about my family?",
     "Which hobbies have I told you about?",
@@ -105,31 +157,171 @@ def measure(model: str, block_tokens: int, codec: str, repeats: int) -> dict[str
     }
 
 
+def _right(answer: str, expected: str) -> bool:
+    return any(word in answer.lower() for word in expected.split("|"))
+
+
+def state_facts(engine: KVShiftEngine, store: MemoryStore, user: str) -> int:
+    """The user states :data:`FACTS` in one chat session; how many joined the core block."""
+    with AgentMemory(engine, store, user_id=user, session_id="told", max_new_tokens=8, core_facts=True) as told:
+        for text, _, _ in FACTS:
+            told.chat(text)
+        return len(told.core())
+
+
+def ask(engine: KVShiftEngine, store: MemoryStore, user: str, questions: list[tuple[str, str, str]], tag: str) -> dict:
+    """Each question in a new session, with the core block and with recall only: right answers."""
+    right = {"core": 0, "recall_only": 0}
+    for index, (_, question, expected) in enumerate(questions):
+        for arm, budget in (("core", None), ("recall_only", 1)):
+            settings: dict[str, Any] = {"write_back": False, "max_new_tokens": 24}
+            if budget is not None:
+                settings["core_tokens"] = budget
+            agent = AgentMemory(engine, store, user_id=user, session_id=f"{tag}-{arm}-{index}", **settings)
+            right[arm] += _right(agent.chat(question).text, expected)
+    return right
+
+
+def answers(model: str) -> dict[str, Any]:
+    engine = KVShiftEngine.from_pretrained(model)
+    with tempfile.TemporaryDirectory() as folder, MemoryStore(Path(folder) / "store") as store:
+        joined = state_facts(engine, store, "clara")
+        before = ask(engine, store, "clara", FACTS, "asked")
+        with AgentMemory(
+            engine, store, user_id="clara", session_id="corrects", max_new_tokens=8, core_facts=True
+        ) as corrects:
+            detected = sum(corrects.chat(text).corrected is not None for text, _, _ in CORRECTIONS)
+            superseded = sum(line.superseded for line in corrects.core())
+            lines = len(corrects.core())
+        after = ask(engine, store, "clara", CORRECTIONS, "again")
+    return {
+        "model": model,
+        "facts": len(FACTS),
+        "joined_core": joined,
+        "right_core": before["core"],
+        "right_recall_only": before["recall_only"],
+        "corrections": len(CORRECTIONS),
+        "corrections_detected": detected,
+        "block_lines_after_corrections": lines,
+        "superseded_lines_kept": superseded,
+        "corrected_right_core": after["core"],
+        "corrected_right_recall_only": after["recall_only"],
+    }
+
+
+def session(model: str, block_tokens: int) -> dict[str, Any]:
+    """The 20-turn session: 3 corrections and 1 forget of core facts among small talk and questions."""
+    engine = KVShiftEngine.from_pretrained(model)
+    script = list(SMALL_TALK)
+    for at, text in ((3, CORRECTIONS[0][0]), (8, CORRECTIONS[1][0]), (14, CORRECTIONS[2][0]), (11, FORGET[0])):
+        script.insert(at, text)
+    script += [question for _, question, _ in FACTS[: 20 - len(script)]]
+    with tempfile.TemporaryDirectory() as folder, MemoryStore(Path(folder) / "store") as store:
+        state_facts(engine, store, "clara")
+        pinner = AgentMemory(engine, store, user_id="clara", session_id="pins", write_back=False)
+        pinned_block(pinner, store, engine, block_tokens)
+        agent = AgentMemory(engine, store, user_id="clara", session_id="twenty", max_new_tokens=24, core_facts=True)
+        turns: list[dict[str, Any]] = []
+        forgotten_after: list[bool] = []
+        reused_after_forget, line_offset = None, None
+        for number, message in enumerate(script):
+            system = agent._system_messages()[0]["content"]  # noqa: SLF001
+            if message == FORGET[0]:
+                line_offset = engine.count_tokens(system[: system.index(FORGET[1])])
+            reply = agent.chat(message)
+            kind = "forget" if reply.decision == "forget" else "correction" if reply.corrected is not None else "turn"
+            turns.append(
+                {
+                    "turn": number + 1,
+                    "kind": kind,
+                    "prompt_tokens": reply.stats.prompt_tokens,
+                    "reused_tokens": reply.stats.reused_tokens,
+                    "reused_share": reply.stats.reused_tokens / reply.stats.prompt_tokens,
+                    "ttft_s": reply.ttft_s,
+                }
+            )
+            if line_offset is not None and kind != "forget":
+                # the system message and every memory the window shows (the user's own request, which
+                # names what to forget, stays in the window as said)
+                shown = [r.text for turn in agent.turns for r in turn.recalled]
+                prompt = agent._system_messages()[0]["content"] + "\n".join(shown)  # noqa: SLF001
+                forgotten_after.append(FORGET[1] in prompt)
+                if reused_after_forget is None:
+                    reused_after_forget = reply.stats.reused_tokens
+        lines = agent.core()
+    after_correction = [
+        t["reused_share"] for prev, t in zip(turns, turns[1:], strict=False) if prev["kind"] == "correction"
+    ]
+    return {
+        "model": model,
+        "block_tokens": block_tokens,
+        "turns": turns,
+        "kinds": [t["kind"] for t in turns],
+        "min_share_after_correction": min(after_correction) if after_correction else None,
+        "median_share": statistics.median(t["reused_share"] for t in turns),
+        "forgotten_in_a_later_prompt": any(forgotten_after),
+        "forgotten_line_offset_tokens": line_offset,
+        "reused_tokens_after_forget": reused_after_forget,
+        "superseded_lines_kept": sum(line.superseded for line in lines),
+        "block_lines": len(lines),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", default="smollm2-135m-instruct,gemma-3-270m")
     parser.add_argument("--blocks", default="1000,2000", help="core block sizes in tokens")
     parser.add_argument("--codecs", default="fp32,int8")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--parts", default="restart,answers,session", help="restart, answers, session")
     parser.add_argument("--output", type=Path, default=HERE / "results" / "core_memory.json")
     args = parser.parse_args()
     torch.set_num_threads(min(2, torch.get_num_threads()))
-    rows = [
-        measure(model, int(block), codec, args.repeats)
-        for model in args.models.split(",")
-        for block in args.blocks.split(",")
-        for codec in args.codecs.split(",")
-    ]
-    print(
-        f"{'model':24} {'codec':5} {'block':>6} {'prompt':>6} {'stored':>7} {'core s':>7} {'none s':>7} {'x':>6} equal"
-    )
-    for row in rows:
+    parts = args.parts.split(",")
+    models = args.models.split(",")
+    report: dict[str, Any] = {"repeats": args.repeats}
+    if "restart" in parts:
+        rows = [
+            measure(model, int(block), codec, args.repeats)
+            for model in models
+            for block in args.blocks.split(",")
+            for codec in args.codecs.split(",")
+        ]
         print(
-            f"{row['model']:24} {row['codec']:5} {row['block_tokens']:6d} {row['prompt_tokens']:6d} "
-            f"{row['restored_share']:7.1%} {row['core_ttft_s']:7.3f} {row['none_ttft_s']:7.3f} "
-            f"{row['speedup']:6.1f} {row['answers_equal']}"
+            f"{'model':24} {'codec':5} {'block':>6} {'prompt':>6} {'stored':>7} {'core s':>7} {'none s':>7} "
+            f"{'x':>6} equal"
         )
-    write_report(args.output, {"rows": rows, "repeats": args.repeats})
+        for row in rows:
+            print(
+                f"{row['model']:24} {row['codec']:5} {row['block_tokens']:6d} {row['prompt_tokens']:6d} "
+                f"{row['restored_share']:7.1%} {row['core_ttft_s']:7.3f} {row['none_ttft_s']:7.3f} "
+                f"{row['speedup']:6.1f} {row['answers_equal']}"
+            )
+        report["rows"] = rows
+    if "answers" in parts:
+        report["answers"] = [answers(model) for model in models]
+        print(f"\n{'model':24} {'joined':>6} {'core':>5} {'recall':>6} {'fixed':>5} {'core':>5} {'recall':>6}")
+        for row in report["answers"]:
+            print(
+                f"{row['model']:24} {row['joined_core']:3d}/{row['facts']:<2d} {row['right_core']:5d} "
+                f"{row['right_recall_only']:6d} {row['corrections_detected']:3d}/{row['corrections']:<1d} "
+                f"{row['corrected_right_core']:5d} {row['corrected_right_recall_only']:6d}"
+            )
+    if "session" in parts:
+        report["session"] = [session(model, 1000) for model in models]
+        for row in report["session"]:
+            shares = " ".join(
+                f"{t['reused_share']:.0%}{t['kind'][0] if t['kind'] != 'turn' else ''}" for t in row["turns"]
+            )
+            print(
+                f"\n{row['model']}: reused per turn ({row['block_lines']} block lines; c correction, f forget):\n"
+                f"  {shares}\n"
+                f"  after a correction >= {row['min_share_after_correction']:.0%}; forgotten text in a later prompt: "
+                f"{row['forgotten_in_a_later_prompt']}; the turn after the forget reused "
+                f"{row['reused_tokens_after_forget']} tokens, the forgotten line began at "
+                f"{row['forgotten_line_offset_tokens']}"
+            )
+    write_report(args.output, report)
 
 
 if __name__ == "__main__":

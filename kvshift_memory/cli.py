@@ -6,6 +6,7 @@
     kvshift chat [STORE] --user alice --session trip
     kvshift bench [--only ttft,fidelity,locomo] [--plot-only]   # JSON and PNG in benchmarks/results
     kvshift inspect ./.kvshift            # counts and sizes, as JSON
+    kvshift inspect ./.kvshift --user ana # ana's core block: lines, tokens, share stored as K/V
     kvshift inspect --engine [MODEL]      # what an engine runs: weight format, K/V dtype, decoding, size
     kvshift check ./.kvshift              # verify records and blobs; exit 1 if something is unrepaired
     kvshift gc ./.kvshift [--keep-model FINGERPRINT]
@@ -56,8 +57,39 @@ def _inspect(args: argparse.Namespace) -> int:
     if args.path is None and args.kv_url is None:
         raise KVShiftError("give a store folder or --kv-url (or --engine MODEL to describe an engine)")
     with _open_store(args) as store:
+        if args.user is not None:
+            print(json.dumps(_core_view(store, args.user, args.model), indent=1))
+            return 0
         print(json.dumps(store.stats(model_fingerprint=args.model_fingerprint), indent=1, sort_keys=True))
     return 0
+
+
+def _core_view(store: MemoryStore, user: str, model: str | None) -> dict[str, Any]:
+    """A user's core block: its lines, what a new session's prompt shows of it, in ``model``'s
+    tokens, and how much of that prompt start the store holds as K/V chunks."""
+    import torch
+
+    from . import KVShiftEngine
+    from .agent.core import core_text, placed_lines, read_block
+
+    torch.set_num_threads(min(2, torch.get_num_threads()))
+    engine = KVShiftEngine.from_pretrained(model)
+    lines = read_block(store, user).lines
+    placed = placed_lines(
+        store, user, session_id=None, count_tokens=lambda text: engine.count_tokens(text, tenant=user)
+    )
+    system = engine.settings.system_prompt
+    messages = [{"role": "system", "content": f"{system}\n\n{core_text(placed)}" if placed else system}]
+    stored, prompt = engine.stored_prefix(messages, kv_store=store, tenant=user)
+    return {
+        "user": user,
+        "lines": [asdict(line) for line in lines],
+        "placed_lines": len(placed),
+        "block_tokens": engine.count_tokens(core_text(placed), tenant=user),
+        "system_message_tokens": prompt,
+        "stored_tokens": stored,
+        "stored_share": stored / prompt,
+    }
 
 
 def _check(args: argparse.Namespace) -> int:
@@ -280,6 +312,8 @@ def _parser() -> argparse.ArgumentParser:
         help="load a model (default: the bundled one) and print its weight format, K/V dtype, decoding path, size",
     )
     inspect.add_argument("--weights", default=None, help="with --engine: the weight format to load it in")
+    inspect.add_argument("--user", default=None, help="show this user's core block: lines, tokens, share stored as K/V")
+    inspect.add_argument("--model", default=None, help="with --user: the model whose tokens and K/V to count")
     inspect.set_defaults(needs_store=False)
     store_command("check", "verify every record and fragment; repair what text can rebuild", _check)
     store_command("gc", "erase deleted and expired memories, free unused fragments", _gc).add_argument(

@@ -6,7 +6,10 @@ archives every stated fact while the small talk stays in the window. Then sessio
 as a new process would resume it (the engine's caches emptied, the store opened again): its
 window comes back from the store, and its K/V from the store's chunks instead of a prefill. Session 2 (a new
 conversation, as a new process would hold it) asks about them: the facts come back from the
-store, the corrected one at its new version only. Between the sessions the user stores a
+store, the corrected one at its new version only: the facts the user stated about themselves
+what the user pinned from the core block, laid after the system prompt and read back from the
+store's K/V (session 1 stored it as it closed; session 2 runs as a new process would, its caches
+empty), the others recalled by search. Between the sessions the user stores a
 project brief (``demo_brief.txt``, about 1.4k tokens) as a document, its parts' fragments encoded
 once. Each question of session 2 is answered three times, with the same recall: with
 ``reuse="none"`` (everything recomputed), with the agent's default (``"auto"``: on the bundled
@@ -79,6 +82,10 @@ def run_demo(store_path: str | None = None, max_new_tokens: int = 32) -> int:
                     f"{reply.message[:66]:<66} {s.prompt_tokens:>6} {s.reused_tokens:>6} {new:>4} "
                     f"{reply.ttft_s * 1000:>5.0f}ms {s.decode_tokens_per_s:>5.0f} t/s  {note}"
                 )
+            trip = rows[0].archived
+            if trip is not None:  # what the user is doing: always there (pinned), so its K/V is reused exactly
+                planning.pin(trip.id)
+            planning.close()  # the block session 2 starts with is computed and stored once, now
             corrected = next((r.corrected for r in rows if r.corrected is not None), None)
             if corrected is not None:
                 print("\nhistory of the corrected memory:")
@@ -111,7 +118,9 @@ def run_demo(store_path: str | None = None, max_new_tokens: int = 32) -> int:
                 f"{BRIEF_PART_TOKENS} tokens, their fragments encoded once in {encoded_s:.1f} s"
             )
 
-            print("\n== session 2: a new conversation, a week later ==")
+            print("\n== session 2: a new conversation, a week later, in a new process ==")
+            engine.flush_chunks(timeout_s=120)
+            engine.clear_cache()  # a new process: the core block's K/V comes from the store
             asking = AgentSettings(max_new_tokens=max_new_tokens, write_back=False)
             # the blend first: an exact arm before it would leave the exact prompt for it to reuse
             arms = ("blend", asking.reuse, "none")
@@ -130,6 +139,14 @@ def run_demo(store_path: str | None = None, max_new_tokens: int = 32) -> int:
                     answers[reuse] = agent.chat(question)
                 table.append((question, answers))
             engine.flush_chunks()  # the turns' K/V chunks are written in the background: before the store closes
+            first = table[0][1][arms[0]]
+            block_tokens = engine.count_tokens("\n".join(line.text for line in first.core))
+            print(
+                f"core block: {len(first.core)} memory pinned by the user (~{block_tokens} tokens), "
+                f"after the system prompt; the first turn read {first.stats.restored_tokens} of its "
+                f"{first.stats.prompt_tokens} prompt tokens from stored K/V "
+                f"({first.stats.restored_tokens / first.stats.prompt_tokens:.0%})\n"
+            )
             print(
                 f"{'question':<38} {'best recalled memory (+ others)':<48} {'stated in':>10} {'recalled':>8} "
                 + " ".join(f"{reuse:>20}" for reuse in arms[:-1])

@@ -158,6 +158,8 @@ def test_demo_runs_both_sessions_with_recall_and_a_correction(capsys):
     thanks = next(line for line in out.splitlines() if line.startswith("ok, thanks!"))
     assert thanks.rstrip().endswith("window")  # small talk stays in the window, never stored
     assert "demo finished" in out
+    core = re.search(r"core block: 1 memory pinned by the user .*the first turn read (\d+) of its (\d+)", session_2)
+    assert core is not None and int(core.group(1)) > 0, session_2  # restored in a new process, from the store
     resumed = out.split("== session 1 resumed after a restart ==")[1].split("== session 2")[0]
     restored = re.search(r"window read back from the store: (\d+) turns; prompt of (\d+) tokens: (\d+) \(", resumed)
     assert restored is not None and int(restored.group(1)) == 6 and int(restored.group(3)) > 0, resumed

@@ -141,7 +141,9 @@ def test_pinned_memories_past_the_budget_are_recalled_not_lost(tmp_path, tokeniz
 
 
 def _talker(engine, store, session: str, user: str = "ana") -> AgentMemory:
-    return AgentMemory(engine, store, user_id=user, session_id=session, max_new_tokens=4, recall_min_score=-1.0)
+    return AgentMemory(
+        engine, store, user_id=user, session_id=session, max_new_tokens=4, recall_min_score=-1.0, core_facts=True
+    )
 
 
 def test_a_fact_the_user_states_joins_the_block_from_the_next_session(tmp_path, tokenizer):

@@ -99,6 +99,7 @@ class AgentMemory:
         self._lock = threading.Lock()
         self._stream_thread: int | None = None
         self._saved: bytes | None = None  # the session's state in the store, as last read or written
+        self._shown_core: tuple[CoreLine, ...] = ()  # the core block's lines the last turn's prompt showed
         if self.settings.resume:
             self._refresh()
 
@@ -252,6 +253,7 @@ class AgentMemory:
             ]
             if archived:
                 self._persist(lambda theirs: theirs)
+            self._store_next_block()
             return [record for record in archived if record is not None]
         finally:
             self._release()
@@ -474,15 +476,36 @@ class AgentMemory:
         system = self.settings.system_prompt or self.engine.settings.system_prompt
         return [{"role": "system", "content": f"{system}\n\n{core_text(placed)}" if placed else system}]
 
+    def _store_next_block(self) -> None:
+        """When this session added lines to the core block, compute the block the next session
+        starts with once now and store its K/V, so that session (in any process) reads it."""
+        if not (self.settings.resume and isinstance(self.store, ChunkStore)):
+            return
+        following = placed_lines(
+            self.store,
+            self.user_id,
+            session_id=None,
+            count_tokens=self._count_tokens,
+            budget_tokens=self.settings.core_tokens,
+        )
+        if not following or following == self._shown_core:
+            return
+        # a one-token answer to a bare greeting: what is stored is the system message and block before it
+        prompt = [*self._system_messages(following), {"role": "user", "content": "Hello."}]
+        self.engine.generate(prompt, max_new_tokens=1, tenant=self.user_id, kv_store=self.store)
+
     def _core_lines(self) -> tuple[CoreLine, ...]:
         """The core block's lines that fit its budget (what the system message shows)."""
         return placed_lines(
             self.store,
             self.user_id,
             session_id=self.session_id,
-            count_tokens=lambda text: self.engine.count_tokens(text, tenant=self.user_id),
+            count_tokens=self._count_tokens,
             budget_tokens=self.settings.core_tokens,
         )
+
+    def _count_tokens(self, text: str) -> int:
+        return self.engine.count_tokens(text, tenant=self.user_id)
 
     def _shifts(self, record: Any) -> bool:
         """Whether a recall would shift ``record``'s fragment in (so it is worth encoding now):
@@ -546,6 +569,7 @@ class AgentMemory:
             session_id=self.session_id,
             window=window,
             requests=window,  # only a chat turn (the one with a window) is the user's own request
+            core_facts=self.settings.core_facts,
         )
         # a less important memory's fragment is encoded after the answer that first recalls it
         if archived is not None and importance >= self.writeback.eager_threshold and self._shifts(archived):
@@ -635,7 +659,7 @@ class AgentMemory:
         forget = self._apply_forget(message)
         corrected, correction, ambiguous = (None, None, False) if forget else self._apply_correction(message)
         turns = list(self._window)
-        core = self._core_lines()
+        core = self._shown_core = self._core_lines()
         in_core = {(line.memory_id, line.version) for line in core}  # the system message shows them
         exclude = self._visible(turns) | in_core
         if correction is not None:

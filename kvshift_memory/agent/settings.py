@@ -46,7 +46,11 @@ class AgentSettings:
         the conversation again. ``False`` keeps both in this process only.
     :param core_tokens: the token budget of the user's core block (:mod:`.core`: the memories
         pinned with :meth:`AgentMemory.pin`, laid after the system prompt in every session);
-        pinned memories past it are recalled by search. Not yet chosen by measurement.
+        pinned memories past it are recalled by search.
+    :param core_facts: facts the user states about themselves join the core block on their own
+        (from the next session on). Off by default: on the shipped models a block of stated facts
+        answered fewer questions than recalling them next to the question
+        (``docs/benchmarks/core_memory.md``); pin what must always be there.
     """
 
     system_prompt: str | None = None
@@ -64,6 +68,7 @@ class AgentSettings:
     write_back: bool = True
     resume: bool = True
     core_tokens: int = CORE_TOKENS
+    core_facts: bool = False
 
     def __post_init__(self) -> None:
         if self.system_prompt is not None:
@@ -77,7 +82,7 @@ class AgentSettings:
         inputs.check_ratio(self.session_weight, "session_weight")
         for name in ("recall_min_score", "correction_min_score"):
             inputs.check_number(getattr(self, name), name, -1, 1)
-        for name in ("write_back", "resume"):
+        for name in ("write_back", "resume", "core_facts"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidInputError(f"{name} must be True or False, not {getattr(self, name)!r}")
         if self.reuse not in inputs.REUSE_MODES:

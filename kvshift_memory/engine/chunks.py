@@ -240,6 +240,27 @@ class StoredChunks:
         )
         return Restored(end, Exactness(exact_end, unblended_end), rejected)
 
+    def stored_length(self, store: ChunkStore, layout: PromptLayout) -> int:
+        """How many of the prompt's leading tokens ``store`` holds as this model's K/V chunks (exact
+        or through its codec), read and checked as :meth:`restore` reads them, whatever reading costs."""
+        ids, size = layout.token_ids, self.chunk_tokens
+        chunks = (layout.length - 1) // size
+        identity = self.identity(store, layout.tenant)
+        digests = _chain(identity, ids, size, chunks)
+        reached = 0
+        for index in range(chunks + 1):
+            tail = index >= chunks
+            fragment, _, _ = self._read_either(store, identity, ids, digests, index, tail, False, layout)
+            if fragment is None and not tail:
+                tail = True
+                fragment, _, _ = self._read_either(store, identity, ids, digests, index, tail, False, layout)
+            if fragment is None:
+                break
+            reached = fragment.base_position + fragment.n_tokens
+            if tail:
+                break
+        return reached
+
     def _read_either(
         self,
         store: ChunkStore,

@@ -417,6 +417,17 @@ class KVShiftEngine:
         return self.runner.tokens.tool_layout
 
     @renamed_keyword("namespace", "tenant")
+    def stored_prefix(
+        self, messages: Sequence[Mapping[str, Any]] | str, *, kv_store: ChunkStore, tenant: str | None = None
+    ) -> tuple[int, int]:
+        """How much of ``messages``' prompt a new process would read from ``kv_store``'s chunks
+        instead of computing: (tokens stored from the prompt's start, the prompt's tokens).
+
+        :raises InvalidInputError: bad messages or tenant.
+        """
+        layout = self.planner.plan(messages, tenant=tenant).layout
+        return self.runner.chunks.stored_length(kv_store, layout), layout.length
+
     def count_tokens(self, text: str, *, tenant: str | None = None) -> int:
         """Tokens ``text`` takes as message content (``tenant``: as in :meth:`generate`)."""
         text = inputs.check_text(text, "text", allow_empty=True)

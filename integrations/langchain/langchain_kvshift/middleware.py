@@ -74,6 +74,8 @@ class KVShiftMiddleware(AgentMiddleware):
     :param write_back: archive the human's messages the bundled write-back rule finds worth keeping.
     :param core: lay the user's core block after the system prompt of every model call.
     :param core_tokens: the block's budget in tokens (lines past it are recalled by search).
+    :param core_facts: facts the human states about themselves join the block on their own
+        (``AgentSettings.core_facts``; off by default, as measured).
     :param profile: the namespace and key of the user's profile item, ``"{user_id}"`` standing
         for the user (LangMem's ``("memories", "{user_id}", "profile")``): its text is a line of
         the core block, and a new profile appends a line that supersedes the last one.
@@ -93,6 +95,7 @@ class KVShiftMiddleware(AgentMiddleware):
         core: bool = True,
         core_tokens: int = CORE_TOKENS,
         profile: tuple[str, ...] | None = None,
+        core_facts: bool = False,
     ) -> None:
         super().__init__()
         if profile is not None and not (
@@ -104,6 +107,7 @@ class KVShiftMiddleware(AgentMiddleware):
         self.core = core
         self.core_tokens = inputs.check_positive_int(core_tokens, "core_tokens")
         self.profile = profile
+        self.core_facts = core_facts
         self.store = store
         self.user_id = user_id
         self.session_id = session_id
@@ -267,6 +271,7 @@ class KVShiftMiddleware(AgentMiddleware):
             user_id=user,
             session_id=session or "default",
             message_key=key,
+            core_facts=self.core_facts,
         )
         return None
 

@@ -74,6 +74,8 @@ class KVShiftMemoryBlock(BaseMemoryBlock[str]):
         core block writes nothing back.
     :param core_tokens: the core block's budget (about four characters a token; past it, lines
         are recalled by search).
+    :param core_facts: facts the user states about themselves join the core block on their own
+        (``AgentSettings.core_facts``; off by default, as measured).
     :param core_blocks: LlamaIndex blocks whose content joins the core block, one line each
         (a changed content appends a line that supersedes the last); messages ``Memory`` flushes
         are handed to them (a fact block extracts its facts from them).
@@ -90,6 +92,7 @@ class KVShiftMemoryBlock(BaseMemoryBlock[str]):
     memories_header: str = "What you remember about the user:"
     write_back: bool = True
     core: bool = False
+    core_facts: bool = False
     core_tokens: int = Field(default=CORE_TOKENS, gt=0)
     core_blocks: list[BaseMemoryBlock] = Field(default_factory=list, exclude=True)
     _rule: WriteBackModel = PrivateAttr(default_factory=WriteBackModel.bundled)
@@ -241,6 +244,7 @@ class KVShiftMemoryBlock(BaseMemoryBlock[str]):
             session_id=session,
             window=not flushed,
             message_key=after,
+            core_facts=self.core_facts,
         )
         with self._lock:
             self._decisions[key] = decision
