@@ -15,12 +15,13 @@ interleaved, each repeat a new question:
 The greedy answers of both arms are compared (with the exact codec, fp32, they must be equal);
 the default codec (int8) is measured too.
 
-``--parts answers``: a user states :data:`FACTS` (written for this benchmark) in chat in one
-session; write-back keeps them and the ones about the user join the core block. In later
-sessions each fact is asked once (a new session per question): with the core block (the default)
-and with recall only (``core_tokens=1``: nothing placed, every memory recalled by search, k=4).
-Then :data:`CORRECTIONS` are said in chat, and the corrected facts are asked again in new sessions:
-an answer is right when it holds the expected word.
+``--parts answers``: a user with ``--paddings`` tokens of pinned LoCoMo turns states :data:`FACTS`
+(written for this benchmark) in chat in one session (``core_facts=True``: write-back appends the
+ones about the user to the core block). In later sessions each fact is asked once (a new
+session per question) in each of :data:`ARMS`: the block and recall (the default), the block
+alone, recall alone (k=4). Then :data:`CORRECTIONS` are said in chat and the corrected facts asked
+again, with the superseded lines kept and after a compaction: an answer is right when it holds
+the expected word; "old" counts answers that give the value the correction replaced.
 
 ``--parts session``: after the facts and a ~1k-token pinned block, one 20-turn session with 3
 corrections and 1 forget of core facts: the share of each turn's prompt reused, whether the
@@ -54,6 +55,7 @@ sys.path.insert(0, str(HERE))
 from benchdata import locomo_turns, write_report  # noqa: E402
 
 from kvshift_memory import AgentMemory, KVShiftEngine, MemoryStore  # noqa: E402
+from kvshift_memory.adapters import change_block, core_text  # noqa: E402
 
 FACTS = [
     ("My name is Clara Jensen.", "What is my name?", "clara"),
@@ -169,43 +171,72 @@ def state_facts(engine: KVShiftEngine, store: MemoryStore, user: str) -> int:
         return len(told.core())
 
 
+# how each arm answers: the block and recall (the default), the block alone, recall alone
+ARMS: dict[str, dict[str, Any]] = {
+    "core": {},
+    "block_only": {"recall_min_score": 1.0},
+    "recall_only": {"core_tokens": 1},
+}
+# the block is measured whole, however long the padding makes it
+MEASURED_CORE_TOKENS = 4096
+
+
 def ask(engine: KVShiftEngine, store: MemoryStore, user: str, questions: list[tuple[str, str, str]], tag: str) -> dict:
-    """Each question in a new session, with the core block and with recall only: right answers."""
-    right = {"core": 0, "recall_only": 0}
-    for index, (_, question, expected) in enumerate(questions):
-        for arm, budget in (("core", None), ("recall_only", 1)):
-            settings: dict[str, Any] = {"write_back": False, "max_new_tokens": 24}
-            if budget is not None:
-                settings["core_tokens"] = budget
+    """Each question in a new session, in each of :data:`ARMS`: the answers, per arm."""
+    answered: dict[str, list[str]] = {arm: [] for arm in ARMS}
+    for index, (_, question, _) in enumerate(questions):
+        for arm, overrides in ARMS.items():
+            settings: dict[str, Any] = {
+                "write_back": False,
+                "max_new_tokens": 24,
+                "core_tokens": MEASURED_CORE_TOKENS,
+                **overrides,
+            }
             agent = AgentMemory(engine, store, user_id=user, session_id=f"{tag}-{arm}-{index}", **settings)
-            right[arm] += _right(agent.chat(question).text, expected)
-    return right
+            answered[arm].append(agent.chat(question).text)
+    return answered
 
 
-def answers(model: str) -> dict[str, Any]:
+def _count(answered: dict[str, list[str]], questions: list[tuple[str, str, str]]) -> dict[str, int]:
+    return {arm: sum(_right(a, q[2]) for a, q in zip(texts, questions, strict=True)) for arm, texts in answered.items()}
+
+
+def answers(model: str, padding: int) -> dict[str, Any]:
+    """:data:`FACTS` stated after ``padding`` tokens of pinned LoCoMo turns, asked in each arm;
+    then :data:`CORRECTIONS`, asked with the superseded lines kept and once the block is compacted."""
     engine = KVShiftEngine.from_pretrained(model)
+    old_values = [next(expected for _, asked, expected in FACTS if asked == question) for _, question, _ in CORRECTIONS]
+    olds = [(text, question, old) for (text, question, _), old in zip(CORRECTIONS, old_values, strict=True)]
     with tempfile.TemporaryDirectory() as folder, MemoryStore(Path(folder) / "store") as store:
+        pinner = AgentMemory(engine, store, user_id="clara", session_id="pins", write_back=False)
+        padded = pinned_block(pinner, store, engine, padding) if padding else 0
         joined = state_facts(engine, store, "clara")
+        block = core_text(pinner.core())
         before = ask(engine, store, "clara", FACTS, "asked")
         with AgentMemory(
             engine, store, user_id="clara", session_id="corrects", max_new_tokens=8, core_facts=True
         ) as corrects:
             detected = sum(corrects.chat(text).corrected is not None for text, _, _ in CORRECTIONS)
             superseded = sum(line.superseded for line in corrects.core())
-            lines = len(corrects.core())
         after = ask(engine, store, "clara", CORRECTIONS, "again")
+        change_block(store, "clara", lambda kept: kept.compacted(0.0))
+        compacted = ask(engine, store, "clara", CORRECTIONS, "compacted")
+        engine.flush_chunks(timeout_s=300)  # written in the background: before the folder goes
     return {
         "model": model,
+        "padding_tokens": padded,
+        "block_tokens": engine.count_tokens(block),
         "facts": len(FACTS),
         "joined_core": joined,
-        "right_core": before["core"],
-        "right_recall_only": before["recall_only"],
+        "right": _count(before, FACTS),
         "corrections": len(CORRECTIONS),
         "corrections_detected": detected,
-        "block_lines_after_corrections": lines,
         "superseded_lines_kept": superseded,
-        "corrected_right_core": after["core"],
-        "corrected_right_recall_only": after["recall_only"],
+        "corrected_new_value": _count(after, CORRECTIONS),
+        "corrected_old_value": _count(after, olds),
+        "compacted_new_value": _count(compacted, CORRECTIONS),
+        "compacted_old_value": _count(compacted, olds),
+        "answers": {"facts": before, "corrected": after, "compacted": compacted},
     }
 
 
@@ -249,6 +280,7 @@ def session(model: str, block_tokens: int) -> dict[str, Any]:
                 if reused_after_forget is None:
                     reused_after_forget = reply.stats.reused_tokens
         lines = agent.core()
+        engine.flush_chunks(timeout_s=300)
     after_correction = [
         t["reused_share"] for prev, t in zip(turns, turns[1:], strict=False) if prev["kind"] == "correction"
     ]
@@ -274,6 +306,7 @@ def main() -> None:
     parser.add_argument("--codecs", default="fp32,int8")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--parts", default="restart,answers,session", help="restart, answers, session")
+    parser.add_argument("--paddings", default="0,1000,2000", help="answers: pinned tokens before the stated facts")
     parser.add_argument("--output", type=Path, default=HERE / "results" / "core_memory.json")
     args = parser.parse_args()
     torch.set_num_threads(min(2, torch.get_num_threads()))
@@ -299,13 +332,20 @@ def main() -> None:
             )
         report["rows"] = rows
     if "answers" in parts:
-        report["answers"] = [answers(model) for model in models]
-        print(f"\n{'model':24} {'joined':>6} {'core':>5} {'recall':>6} {'fixed':>5} {'core':>5} {'recall':>6}")
+        paddings = [int(tokens) for tokens in args.paddings.split(",")]
+        report["answers"] = [answers(model, padding) for model in models for padding in paddings]
+        print(
+            f"\n{'model':24} {'block':>5} {'right: core':>11} {'block':>5} {'recall':>6} {'fixed':>5} "
+            f"{'new: core':>9} {'block':>5} {'recall':>6} {'old: core':>9} {'block':>5} | compacted new old"
+        )
         for row in report["answers"]:
+            right, new, old = row["right"], row["corrected_new_value"], row["corrected_old_value"]
             print(
-                f"{row['model']:24} {row['joined_core']:3d}/{row['facts']:<2d} {row['right_core']:5d} "
-                f"{row['right_recall_only']:6d} {row['corrections_detected']:3d}/{row['corrections']:<1d} "
-                f"{row['corrected_right_core']:5d} {row['corrected_right_recall_only']:6d}"
+                f"{row['model']:24} {row['block_tokens']:5d} {right['core']:11d} {right['block_only']:5d} "
+                f"{right['recall_only']:6d} {row['corrections_detected']:3d}/{row['corrections']:<1d} "
+                f"{new['core']:9d} {new['block_only']:5d} {new['recall_only']:6d} {old['core']:9d} "
+                f"{old['block_only']:5d} | {row['compacted_new_value']['core']:9d} "
+                f"{row['compacted_old_value']['core']:3d}"
             )
     if "session" in parts:
         report["session"] = [session(model, 1000) for model in models]

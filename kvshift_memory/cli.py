@@ -66,15 +66,16 @@ def _inspect(args: argparse.Namespace) -> int:
 
 def _core_view(store: MemoryStore, user: str, model: str | None) -> dict[str, Any]:
     """A user's core block: its lines, what a new session's prompt shows of it, in ``model``'s
-    tokens, and how much of that prompt start the store holds as K/V chunks."""
+    tokens, and how much of that prompt start (the system message with the block, and the
+    template's opening of the answer) the store holds as K/V chunks."""
     import torch
 
     from . import KVShiftEngine
     from .agent.core import core_text, placed_lines, read_block
 
+    lines = read_block(store, user).lines  # a malformed user is refused before a model is loaded
     torch.set_num_threads(min(2, torch.get_num_threads()))
     engine = KVShiftEngine.from_pretrained(model)
-    lines = read_block(store, user).lines
     placed = placed_lines(
         store, user, session_id=None, count_tokens=lambda text: engine.count_tokens(text, tenant=user)
     )

@@ -7,8 +7,8 @@ as a new process would resume it (the engine's caches emptied, the store opened 
 window comes back from the store, and its K/V from the store's chunks instead of a prefill. Session 2 (a new
 conversation, as a new process would hold it) asks about them: the facts come back from the
 store, the corrected one at its new version only: the facts the user stated about themselves
-what the user pinned from the core block, laid after the system prompt and read back from the
-store's K/V (session 1 stored it as it closed; session 2 runs as a new process would, its caches
+the ones the user stated about themselves also from the core block, laid after the system prompt
+and read back from the store's K/V (session 1 stored it as it closed; session 2 runs as a new process would, its caches
 empty), the others recalled by search. Between the sessions the user stores a
 project brief (``demo_brief.txt``, about 1.4k tokens) as a document, its parts' fragments encoded
 once. Each question of session 2 is answered three times, with the same recall: with
@@ -82,9 +82,6 @@ def run_demo(store_path: str | None = None, max_new_tokens: int = 32) -> int:
                     f"{reply.message[:66]:<66} {s.prompt_tokens:>6} {s.reused_tokens:>6} {new:>4} "
                     f"{reply.ttft_s * 1000:>5.0f}ms {s.decode_tokens_per_s:>5.0f} t/s  {note}"
                 )
-            trip = rows[0].archived
-            if trip is not None:  # what the user is doing: always there (pinned), so its K/V is reused exactly
-                planning.pin(trip.id)
             planning.close()  # the block session 2 starts with is computed and stored once, now
             corrected = next((r.corrected for r in rows if r.corrected is not None), None)
             if corrected is not None:
@@ -122,12 +119,15 @@ def run_demo(store_path: str | None = None, max_new_tokens: int = 32) -> int:
             engine.flush_chunks(timeout_s=120)
             engine.clear_cache()  # a new process: the core block's K/V comes from the store
             asking = AgentSettings(max_new_tokens=max_new_tokens, write_back=False)
-            # the blend first: an exact arm before it would leave the exact prompt for it to reuse
+            # the blend first: an exact arm before it would leave the exact prompt stored for it to read
             arms = ("blend", asking.reuse, "none")
             table = []
             for index, question in enumerate(tqdm(SESSION_2, desc="session 2 questions", leave=False)):
                 answers = {}
                 for reuse in arms:
+                    # each arm as a new process would run it: what it reuses of the prompt's start
+                    # (the system prompt and the core block) it reads from the store itself
+                    engine.clear_cache(fragments=False)
                     agent = AgentMemory(
                         engine,
                         store,
@@ -142,7 +142,7 @@ def run_demo(store_path: str | None = None, max_new_tokens: int = 32) -> int:
             first = table[0][1][arms[0]]
             block_tokens = engine.count_tokens("\n".join(line.text for line in first.core))
             print(
-                f"core block: {len(first.core)} memory pinned by the user (~{block_tokens} tokens), "
+                f"core block: {len(first.core)} facts the user stated about themselves (~{block_tokens} tokens), "
                 f"after the system prompt; the first turn read {first.stats.restored_tokens} of its "
                 f"{first.stats.prompt_tokens} prompt tokens from stored K/V "
                 f"({first.stats.restored_tokens / first.stats.prompt_tokens:.0%})\n"

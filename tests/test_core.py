@@ -91,12 +91,11 @@ def test_every_session_and_process_starts_with_the_same_core_block_and_restores_
         for record in records:
             monday.pin(record.id)
         block = core_text(monday.core())
-        first = monday.chat("What should I cook tonight?")
+        monday.chat("What should I cook tonight?")
         assert block in engine.tokenizer.decode(engine.planner.plan(monday._system_messages()).layout.token_ids)
         tuesday = _agent(engine, store, "tuesday").chat("Any plans for the weekend?")
         block_tokens = len(engine.tokenizer(block, add_special_tokens=False).input_ids)
         assert tuesday.stats.reused_tokens >= block_tokens  # the prefix cache, in this process
-        assert not {r.id for r in first.recalled} & {r.id for r in records}  # shown by the block: not recalled
         assert engine.flush_chunks(timeout_s=60)
     with MemoryStore(folder, embedder=HashEmbedder(), codec="fp32") as store:  # a new process
         later = _engine(tokenizer)
@@ -157,7 +156,6 @@ def test_a_fact_the_user_states_joins_the_block_from_the_next_session(tmp_path, 
         assert again.core == () and again.stats.reused_tokens > 0
         tuesday = _talker(engine, store, "tuesday").chat("Any idea for dinner?")
         assert [line.memory_id for line in tuesday.core] == [stated.id]
-        assert stated.id not in {r.id for r in tuesday.recalled}  # shown by the block: not recalled again
         # another speaker's words, a question and a paste never join on their own
         monday.observe("I am Bob, and I live in Braga.")
         monday.chat("Where is the nearest pharmacy?")

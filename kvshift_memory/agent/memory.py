@@ -7,7 +7,8 @@ One turn (:meth:`AgentMemory.chat`):
    changes nothing and is stored as a statement (``"correction_ambiguous"``);
 2. *recall*: the store's two paths (embedding and keywords) search all of the user's sessions;
    memories already visible in the window are left out, this session's are ranked a little higher;
-3. *assembly*: ``[system] + [window turns, each user message with the memories recalled for it] +
+3. *assembly*: ``[system prompt + the user's core block (:mod:`.core`)] + [window turns, each
+   user message with the memories recalled for it] +
    [new user message with the newly recalled memories, most relevant last]``. The prompt only ever
    grows at its end, so the engine reuses the previous turn's cache exactly and prefills only the
    new message, its template tokens and the repair of the newly recalled fragments;
@@ -19,7 +20,8 @@ One turn (:meth:`AgentMemory.chat`):
    answer that first recalls it); a content-free one
    ("ok thanks") stays in the window only; one the rule is unsure of waits in the window and is
    archived when it leaves it (or when the session is closed). "Remember …" always archives,
-   "forget …" deletes the closest memory (:meth:`AgentMemory.forget`).
+   "forget …" deletes the closest memory (:meth:`AgentMemory.forget`). What a message asks of
+   the memory (remember, forget, correct, nothing) is decided in :mod:`.asks`.
 
 With ``settings.resume`` (the default) the session lives in the store, not in the process: the
 window is saved after every change and read back by the next ``AgentMemory`` of the same user and
@@ -660,8 +662,9 @@ class AgentMemory:
         corrected, correction, ambiguous = (None, None, False) if forget else self._apply_correction(message)
         turns = list(self._window)
         core = self._shown_core = self._core_lines()
-        in_core = {(line.memory_id, line.version) for line in core}  # the system message shows them
-        exclude = self._visible(turns) | in_core
+        # a memory the block shows is still recalled next to a question about it: the shipped
+        # models answered from the block alone far less often (docs/benchmarks/core_memory.md)
+        exclude = self._visible(turns)
         if correction is not None:
             exclude.add((correction.id, correction.version))  # its text is the message itself
         recalled = self._recall(message, exclude)
@@ -674,7 +677,7 @@ class AgentMemory:
             while turns and sum(t.tokens for t in turns) + needed > target:
                 evicted.append(turns.pop(0))
             if evicted:  # what shifted out may be recalled again, now that the window no longer shows it
-                shown = self._visible(turns) | in_core
+                shown = self._visible(turns)
                 if correction is not None:
                     shown.add((correction.id, correction.version))
                 recalled = self._recall(message, shown)

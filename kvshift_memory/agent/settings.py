@@ -48,9 +48,8 @@ class AgentSettings:
         pinned with :meth:`AgentMemory.pin`, laid after the system prompt in every session);
         pinned memories past it are recalled by search.
     :param core_facts: facts the user states about themselves join the core block on their own
-        (from the next session on). Off by default: on the shipped models a block of stated facts
-        answered fewer questions than recalling them next to the question
-        (``docs/benchmarks/core_memory.md``); pin what must always be there.
+        (from the next session on; :func:`~kvshift_memory.agent.asks.joins_core`). ``False``
+        keeps the block to what is pinned.
     """
 
     system_prompt: str | None = None
@@ -68,7 +67,7 @@ class AgentSettings:
     write_back: bool = True
     resume: bool = True
     core_tokens: int = CORE_TOKENS
-    core_facts: bool = False
+    core_facts: bool = True
 
     def __post_init__(self) -> None:
         if self.system_prompt is not None:

@@ -416,7 +416,6 @@ class KVShiftEngine:
         ``"kvshift"``, our own layout as text (``kvshift_memory.chat_turns``)."""
         return self.runner.tokens.tool_layout
 
-    @renamed_keyword("namespace", "tenant")
     def stored_prefix(
         self, messages: Sequence[Mapping[str, Any]] | str, *, kv_store: ChunkStore, tenant: str | None = None
     ) -> tuple[int, int]:
@@ -428,6 +427,7 @@ class KVShiftEngine:
         layout = self.planner.plan(messages, tenant=tenant).layout
         return self.runner.chunks.stored_length(kv_store, layout), layout.length
 
+    @renamed_keyword("namespace", "tenant")
     def count_tokens(self, text: str, *, tenant: str | None = None) -> int:
         """Tokens ``text`` takes as message content (``tenant``: as in :meth:`generate`)."""
         text = inputs.check_text(text, "text", allow_empty=True)

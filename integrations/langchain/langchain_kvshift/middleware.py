@@ -12,7 +12,8 @@ The user's core block (``docs/how-it-works.md``: the facts they stated about the
 they pinned, and with ``profile=`` the profile item LangMem's profile pattern keeps, one per user)
 is laid after the system prompt of every model call, in the same order in every session, so its
 K/V is reused exactly from one conversation to the next and restored from the store after a
-restart. Memories the block shows are not recalled again.
+restart. A memory the block shows is still recalled next to a question about it (a small model
+answers from what is next to the question).
 
 One agent serves every user: the user (and session) come from the run's context
 (``agent.invoke(..., context={"user_id": "alice", "session_id": "s1"})``, a dict or an object with
@@ -75,7 +76,7 @@ class KVShiftMiddleware(AgentMiddleware):
     :param core: lay the user's core block after the system prompt of every model call.
     :param core_tokens: the block's budget in tokens (lines past it are recalled by search).
     :param core_facts: facts the human states about themselves join the block on their own
-        (``AgentSettings.core_facts``; off by default, as measured).
+        (``AgentSettings.core_facts``); ``False`` keeps the block to what is pinned and the profile.
     :param profile: the namespace and key of the user's profile item, ``"{user_id}"`` standing
         for the user (LangMem's ``("memories", "{user_id}", "profile")``): its text is a line of
         the core block, and a new profile appends a line that supersedes the last one.
@@ -95,7 +96,7 @@ class KVShiftMiddleware(AgentMiddleware):
         core: bool = True,
         core_tokens: int = CORE_TOKENS,
         profile: tuple[str, ...] | None = None,
-        core_facts: bool = False,
+        core_facts: bool = True,
     ) -> None:
         super().__init__()
         if profile is not None and not (
@@ -225,7 +226,6 @@ class KVShiftMiddleware(AgentMiddleware):
             for span in parse_markers(m.text)
             if span.memory_id and span.version is not None
         }
-        shown.update((line.memory_id, line.version) for line in self.core_lines(runtime))  # the block shows them
         recalled = recall(
             store,
             last.text,

@@ -244,7 +244,7 @@ def test_a_core_block_places_the_users_stated_facts_and_static_blocks_as_a_syste
         return Memory.from_defaults(
             session_id=session_id,
             token_limit=4000,
-            memory_blocks=[core, KVShiftMemoryBlock(store=store, user_id=user, core_facts=True)],
+            memory_blocks=[core, KVShiftMemoryBlock(store=store, user_id=user)],
             insert_method="user",
             async_database_uri=f"sqlite+aiosqlite:///{tmp_path / 'chat.db'}",
         )

@@ -75,7 +75,7 @@ class KVShiftMemoryBlock(BaseMemoryBlock[str]):
     :param core_tokens: the core block's budget (about four characters a token; past it, lines
         are recalled by search).
     :param core_facts: facts the user states about themselves join the core block on their own
-        (``AgentSettings.core_facts``; off by default, as measured).
+        (``AgentSettings.core_facts``), placed where a core block is in the ``Memory``.
     :param core_blocks: LlamaIndex blocks whose content joins the core block, one line each
         (a changed content appends a line that supersedes the last); messages ``Memory`` flushes
         are handed to them (a fact block extracts its facts from them).
@@ -92,7 +92,7 @@ class KVShiftMemoryBlock(BaseMemoryBlock[str]):
     memories_header: str = "What you remember about the user:"
     write_back: bool = True
     core: bool = False
-    core_facts: bool = False
+    core_facts: bool = True
     core_tokens: int = Field(default=CORE_TOKENS, gt=0)
     core_blocks: list[BaseMemoryBlock] = Field(default_factory=list, exclude=True)
     _rule: WriteBackModel = PrivateAttr(default_factory=WriteBackModel.bundled)
