@@ -243,10 +243,10 @@ def answers(model: str, padding: int) -> dict[str, Any]:
 def session(model: str, block_tokens: int) -> dict[str, Any]:
     """The 20-turn session: 3 corrections and 1 forget of core facts among small talk and questions."""
     engine = KVShiftEngine.from_pretrained(model)
-    script = list(SMALL_TALK)
-    for at, text in ((3, CORRECTIONS[0][0]), (8, CORRECTIONS[1][0]), (14, CORRECTIONS[2][0]), (11, FORGET[0])):
-        script.insert(at, text)
-    script += [question for _, question, _ in FACTS[: 20 - len(script)]]
+    # turns 5, 10 and 16 correct a core fact, turn 13 forgets one; the rest is small talk and questions
+    chatter = iter([*SMALL_TALK, *(question for _, question, _ in FACTS)])
+    said = {5: CORRECTIONS[0][0], 10: CORRECTIONS[1][0], 13: FORGET[0], 16: CORRECTIONS[2][0]}
+    script = [said.get(turn) or next(chatter) for turn in range(1, 21)]
     with tempfile.TemporaryDirectory() as folder, MemoryStore(Path(folder) / "store") as store:
         state_facts(engine, store, "clara")
         pinner = AgentMemory(engine, store, user_id="clara", session_id="pins", write_back=False)
