@@ -137,6 +137,8 @@ def test_pinned_memories_past_the_budget_are_recalled_not_lost(tmp_path, tokeniz
         assert records[3].id in {r.id for r in reply.recalled}
         with pytest.raises(InvalidInputError):
             _agent(engine, store, "x", core_tokens=0)
+        with pytest.raises(InvalidInputError):
+            _agent(engine, store, "x", core_facts="yes")
 
 
 def _talker(engine, store, session: str, user: str = "ana") -> AgentMemory:

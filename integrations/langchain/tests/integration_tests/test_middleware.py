@@ -162,3 +162,14 @@ def test_the_users_core_block_and_langmem_profile_lead_the_system_message_in_eve
     assert "Oslo" not in monday  # one user's profile is never another's
     # a new profile supersedes the last; alone in the block, the superseded line passes the share: compacted
     assert wednesday.endswith("Alice Moreau, a pharmacist in Paris now.") and "Lyon" not in wednesday
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [{"profile": "profile"}, {"profile": ("profile",)}, {"profile": ("memories", 3)}, {"core_tokens": 0}],
+)
+def test_a_bad_core_setting_is_refused(settings):
+    from kvshift_memory import InvalidInputError
+
+    with pytest.raises(InvalidInputError):
+        KVShiftMiddleware(**settings)

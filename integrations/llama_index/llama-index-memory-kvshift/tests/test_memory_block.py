@@ -262,3 +262,17 @@ def test_a_core_block_places_the_users_stated_facts_and_static_blocks_as_a_syste
     # appended after the fact (here past the compaction share: the superseded line went)
     assert changed.endswith(f"{FACT}\nAnswer in Spanish.") and "French" not in changed
     assert not memory("friday", "x", user="bob").get()[0].content.count("Porto")  # never another user's
+
+
+def test_a_fact_blocks_facts_are_a_line_of_the_core_block(store):
+    from llama_index.core.llms import MockLLM  # the facts are given: no extraction runs
+    from llama_index.core.memory import FactExtractionMemoryBlock
+
+    facts = FactExtractionMemoryBlock(name="facts", llm=MockLLM(), facts=["Alice is a pharmacist."])
+    core = KVShiftMemoryBlock(name="core", store=store, user_id="alice", core=True, core_blocks=[facts])
+    first = asyncio.run(core.aget([ChatMessage(role="user", content="Hello")], session_id="monday"))
+    assert first[0].role == "system" and "<fact>Alice is a pharmacist.</fact>" in first[0].content
+    facts.facts.append("Alice lives in Lyon.")
+    second = asyncio.run(core.aget([ChatMessage(role="user", content="Hello")], session_id="tuesday"))
+    assert "Alice lives in Lyon." in second[0].content.splitlines()[-1]  # the new content, at the end
+    assert asyncio.run(core.atruncate(second, 10_000)) == second  # a core block is never cut by Memory
