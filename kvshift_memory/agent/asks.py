@@ -17,6 +17,7 @@ stored as a statement of its own, and another speaker's words (a transcript) cha
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from ..exceptions import VersionConflictError
@@ -28,11 +29,13 @@ from .recall import archived_text, similarity
 from .writeback import Decision, WriteBackModel, explicit_request, first_person, forget_subject, is_question_only
 
 __all__ = [
+    "Asked",
     "FORGET_MARGIN",
     "FORGET_MIN_SCORE",
     "MAX_ARCHIVED_CHARS",
     "MAX_CORE_CHARS",
     "archive",
+    "carry_out",
     "find_correction",
     "forget_closest",
     "forget_memory",
@@ -55,6 +58,40 @@ FORGET_MARGIN = 0.05
 # stored memories a correction is checked against (the nearest ones; it supersedes one only when
 # exactly one of them is about the same subject and holds the value it negates)
 _CORRECTION_CANDIDATES = 4
+
+
+@dataclass(frozen=True)
+class Asked:
+    """What a user's chat message asked of the memory before its answer, and what was done.
+
+    :param forget: for a request to forget: ``"forget"`` and the memory deleted, or
+        ``"forget_ambiguous"`` and ``None`` (nothing deleted).
+    :param corrected: the memory version a correction superseded; ``correction``: its new version.
+    :param ambiguous_correction: worded as a correction, it matched no single memory (nothing changed).
+    """
+
+    forget: tuple[Decision, MemoryRecord | None] | None = None
+    corrected: MemoryRecord | None = None
+    correction: MemoryRecord | None = None
+    ambiguous_correction: bool = False
+
+
+def carry_out(store: Store, text: str, *, user_id: str, session_id: str, min_score: float) -> Asked:
+    """Do what the user's chat message ``text`` asks of the memory before it is answered: a
+    request to forget deletes what it names (:func:`forget_closest`); a correction supersedes the
+    memory it corrects (:func:`find_correction`, at least ``min_score`` similar), a core line of it
+    getting the new version from the next session of ``session_id`` on; anything else changes
+    nothing here (it is written back after the answer, :func:`archive`).
+
+    :raises StoreError: the store cannot be searched or written.
+    """
+    if explicit_request(text) == "forget":
+        return Asked(forget=forget_closest(store, text, user_id=user_id))
+    decision, corrected = find_correction(store, text, user_id=user_id, min_score=min_score)
+    if corrected is None:
+        return Asked(ambiguous_correction=decision == "correction_ambiguous")
+    new = supersede(store, corrected, text, user_id=user_id, session_id=session_id)
+    return Asked(corrected=corrected, correction=new)
 
 
 def joins_core(text: str, request: str | None = None) -> bool:

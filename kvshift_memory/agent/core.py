@@ -33,7 +33,7 @@ from typing import Any
 
 from .. import inputs
 from ..exceptions import InvalidInputError, SessionBusyError
-from ..protocols import Store
+from ..protocols import ChunkStore, Engine, Store
 
 __all__ = [
     "COMPACT_SHARE",
@@ -45,6 +45,8 @@ __all__ = [
     "core_text",
     "placed_lines",
     "read_block",
+    "store_block",
+    "system_messages",
 ]
 
 #: the line that opens the block in the system message
@@ -206,6 +208,27 @@ def placed_lines(
     """
     block = read_block(store, user_id)
     return block.placed(budget_tokens, count_tokens, session_id) if block.lines else ()
+
+
+def system_messages(system_prompt: str | None, lines: Sequence[CoreLine], default_prompt: str) -> list[dict[str, Any]]:
+    """The system message a prompt starts with: ``system_prompt`` (``default_prompt`` for
+    ``None``), then the block's ``lines``; none for no prompt and no lines."""
+    if system_prompt is None and not lines:
+        return []
+    system = system_prompt or default_prompt
+    return [{"role": "system", "content": f"{system}\n\n{core_text(lines)}" if lines else system}]
+
+
+def store_block(engine: Engine, store: Store, user_id: str, system: list[dict[str, Any]]) -> None:
+    """Compute the ``system`` message once and store its K/V in ``store``'s chunks (when it
+    keeps chunks), so a session that starts with it, in any process, reads it.
+
+    :raises StoreError: the store failed.
+    """
+    if isinstance(store, ChunkStore):
+        # a one-token answer to a bare greeting: what is stored is the system message before it
+        prompt = [*system, {"role": "user", "content": "Hello."}]
+        engine.generate(prompt, max_new_tokens=1, tenant=user_id, kv_store=store)
 
 
 def core_text(lines: Sequence[CoreLine]) -> str:

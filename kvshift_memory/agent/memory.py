@@ -44,13 +44,13 @@ from .. import inputs
 from ..exceptions import InvalidInputError, MemoryNotFoundError, SessionBusyError
 from ..protocols import ChunkStore, Engine, Store
 from ..store.records import MemoryRecord
-from .asks import archive, find_correction, forget_closest, forget_memory, store_once, supersede
-from .core import CoreLine, change_block, core_text, placed_lines, read_block
+from .asks import Asked, archive, carry_out, forget_closest, forget_memory, store_once, supersede
+from .core import CoreLine, change_block, placed_lines, read_block, store_block, system_messages
 from .recall import archived_text, last_sentence, recall, similarity
 from .sessions import decode_window, encode_window
 from .settings import AgentSettings
 from .turns import STREAM_END, Reply, ReplyStream, StreamFailure, Turn, TurnPlan
-from .writeback import Decision, WriteBackModel, explicit_request
+from .writeback import Decision, WriteBackModel
 
 __all__ = ["AgentMemory", "AgentSettings", "Reply", "ReplyStream"]
 
@@ -167,7 +167,9 @@ class AgentMemory:
                 raise MemoryNotFoundError(f"no live memory {memory_id!r}")
         self._acquire(stream=False)
         try:
-            new = self._supersede(target, text, placed_at_once=True)
+            # no turn shows this new version: a core line of it is placed at once
+            new = supersede(self.store, target, text, user_id=self.user_id)
+            self._window = [_without(turn, target) for turn in self._window]
             self._persist(lambda theirs: [_without(turn, target) for turn in theirs])
         finally:
             self._release()
@@ -473,41 +475,25 @@ class AgentMemory:
         """The system message: the system prompt, then the core block's ``placed`` lines (read
         from the store when not given)."""
         placed = self._core_lines() if placed is None else placed
-        if self.settings.system_prompt is None and not placed:
-            return []
-        system = self.settings.system_prompt or self.engine.settings.system_prompt
-        return [{"role": "system", "content": f"{system}\n\n{core_text(placed)}" if placed else system}]
+        return system_messages(self.settings.system_prompt, placed, self.engine.settings.system_prompt)
 
     def _store_next_block(self) -> None:
-        """When this session added lines to the core block, compute the block the next session
-        starts with once now and store its K/V, so that session (in any process) reads it."""
-        if not (self.settings.resume and isinstance(self.store, ChunkStore)):
-            return
-        following = placed_lines(
-            self.store,
-            self.user_id,
-            session_id=None,
-            count_tokens=self._count_tokens,
-            budget_tokens=self.settings.core_tokens,
-        )
-        if not following or following == self._shown_core:
-            return
-        # a one-token answer to a bare greeting: what is stored is the system message and block before it
-        prompt = [*self._system_messages(following), {"role": "user", "content": "Hello."}]
-        self.engine.generate(prompt, max_new_tokens=1, tenant=self.user_id, kv_store=self.store)
+        """When the block changed since this session's last prompt, store the K/V of the one the
+        next session starts with, so that session (in any process) reads it."""
+        following = self._core_lines(this_session=False)
+        if self.settings.resume and following and following != self._shown_core:
+            store_block(self.engine, self.store, self.user_id, self._system_messages(following))
 
-    def _core_lines(self) -> tuple[CoreLine, ...]:
-        """The core block's lines that fit its budget (what the system message shows)."""
+    def _core_lines(self, *, this_session: bool = True) -> tuple[CoreLine, ...]:
+        """The core block's lines that fit its budget: what this session's system message shows
+        (``this_session``), or the next session's."""
         return placed_lines(
             self.store,
             self.user_id,
-            session_id=self.session_id,
-            count_tokens=self._count_tokens,
+            session_id=self.session_id if this_session else None,
+            count_tokens=lambda text: self.engine.count_tokens(text, tenant=self.user_id),
             budget_tokens=self.settings.core_tokens,
         )
-
-    def _count_tokens(self, text: str) -> int:
-        return self.engine.count_tokens(text, tenant=self.user_id)
 
     def _shifts(self, record: Any) -> bool:
         """Whether a recall would shift ``record``'s fragment in (so it is worth encoding now):
@@ -588,45 +574,6 @@ class AgentMemory:
         )
         return turn.archived
 
-    def _apply_forget(self, text: str) -> tuple[Decision, Any] | None:
-        """When ``text`` asks to forget something, delete the memory it names and take it out of the window.
-
-        :returns: (``"forget"`` or ``"forget_ambiguous"``, the memory deleted or ``None``), or
-            ``None`` when ``text`` is no such request.
-        """
-        if not self.settings.write_back or explicit_request(text) != "forget":
-            return None
-        decision, forgotten = forget_closest(self.store, text, user_id=self.user_id)
-        if forgotten is not None:
-            self._window = _forgetting(self._window, forgotten)
-        return decision, forgotten
-
-    def _apply_correction(self, text: str) -> tuple[Any, Any, bool]:
-        """When ``text`` corrects one stored memory (:func:`find_correction`), supersede it and
-        take it out of the window.
-
-        :returns: (the version corrected, its new version, whether ``text`` was worded as a
-            correction that matched no single memory).
-        """
-        if not self.settings.write_back:
-            return None, None, False
-        decision, corrected = find_correction(
-            self.store, text, user_id=self.user_id, min_score=self.settings.correction_min_score
-        )
-        if corrected is None:
-            return None, None, decision == "correction_ambiguous"
-        return corrected, self._supersede(corrected, text), False
-
-    def _supersede(self, target: Any, text: str, *, placed_at_once: bool = False) -> Any:
-        """Store ``text`` as the new version of ``target``; no window turn shows the old one any
-        more. A core line's new version is placed from the next session on, as the window shows
-        the correcting message, unless ``placed_at_once`` (a :meth:`correct` call: no turn shows it)."""
-        new = supersede(
-            self.store, target, text, user_id=self.user_id, session_id="" if placed_at_once else self.session_id
-        )
-        self._window = [_without(turn, target) for turn in self._window]
-        return new
-
     def _closest(self, message: str) -> Any:
         """The stored memory closest to ``message``, when close enough (an explicit :meth:`correct`)."""
         hits = self.store.search(message, tenant=self.user_id, k=1)
@@ -658,8 +605,22 @@ class AgentMemory:
         started = time.perf_counter()
         if self.settings.resume:
             self._refresh()  # another worker may have answered this session's last turn
-        forget = self._apply_forget(message)
-        corrected, correction, ambiguous = (None, None, False) if forget else self._apply_correction(message)
+        asked = (
+            carry_out(
+                self.store,
+                message,
+                user_id=self.user_id,
+                session_id=self.session_id,
+                min_score=self.settings.correction_min_score,
+            )
+            if self.settings.write_back
+            else Asked()
+        )
+        forget, corrected, correction = asked.forget, asked.corrected, asked.correction
+        if forget is not None and forget[1] is not None:
+            self._window = _forgetting(self._window, forget[1])
+        if corrected is not None:  # no window turn shows the old version any more
+            self._window = [_without(turn, corrected) for turn in self._window]
         turns = list(self._window)
         core = self._shown_core = self._core_lines()
         # a memory the block shows is still recalled next to a question about it: the shipped
@@ -691,7 +652,17 @@ class AgentMemory:
         messages.append(user)
         retrieval_s = time.perf_counter() - started
         return TurnPlan(
-            message, recalled, corrected, correction, forget, turns, evicted, messages, retrieval_s, ambiguous, core
+            message,
+            recalled,
+            corrected,
+            correction,
+            forget,
+            turns,
+            evicted,
+            messages,
+            retrieval_s,
+            asked.ambiguous_correction,
+            core,
         )
 
     def _fitting(
