@@ -6,6 +6,7 @@ test double or another implementation may too (the type checker says whether it 
 
 from __future__ import annotations
 
+import builtins  # the classes below have a method named `list`, which hides the type in their bodies
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal, Protocol, overload, runtime_checkable
 
@@ -85,11 +86,23 @@ class Store(Protocol):
         session_id: str | None = None,
         max_tokens: int = 200,
         count_tokens: Callable[[str], int] | None = None,
-    ) -> list[MemoryRecord]: ...
+    ) -> builtins.list[MemoryRecord]: ...
 
     def get(self, memory_id: str, *, tenant: str) -> MemoryRecord | None: ...
 
-    def search(self, query: str, *, tenant: str, session_id: str | None = None, k: int = 4) -> list[MemoryRecord]: ...
+    def list(
+        self,
+        tenant: str,
+        *,
+        session_id: str | None = None,
+        include_superseded: bool = False,
+        limit: int = 100,
+        offset: int = 0,
+    ) -> builtins.list[MemoryRecord]: ...
+
+    def search(
+        self, query: str, *, tenant: str, session_id: str | None = None, k: int = 4
+    ) -> builtins.list[MemoryRecord]: ...
 
     def supersede(
         self, memory_id: str, new_text: str, *, tenant: str, expected_version: int | None = None
@@ -101,7 +114,7 @@ class Store(Protocol):
 
     def claim_once(self, token: str, *, tenant: str) -> bool: ...
 
-    def history(self, memory_id: str, *, tenant: str) -> list[MemoryRecord]: ...
+    def history(self, memory_id: str, *, tenant: str) -> builtins.list[MemoryRecord]: ...
 
     def load_session(self, session_id: str, *, tenant: str) -> bytes | None: ...
 

@@ -213,3 +213,19 @@ print(json.dumps(tokenizer(core_text(lines), add_special_tokens=False).input_ids
 """
     done = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=300, check=True)
     assert json.loads(done.stdout.strip().splitlines()[-1]) == here
+
+
+def test_memories_lists_what_the_agent_stored_newest_first(tmp_path, tokenizer):
+    with MemoryStore(tmp_path / "store", embedder=HashEmbedder()) as store:
+        engine = _engine(tokenizer)
+        monday = _talker(engine, store, "monday")
+        for fact in FACTS[:2]:
+            monday.chat(fact)
+        tuesday = _talker(engine, store, "tuesday")
+        tuesday.chat(FACTS[2])
+        assert [r.text for r in tuesday.memories()] == [FACTS[2], FACTS[1], FACTS[0]]
+        assert [r.text for r in tuesday.memories(session_only=True)] == [FACTS[2]]
+        assert [r.text for r in tuesday.memories(limit=1, offset=1)] == [FACTS[1]]
+        assert _talker(engine, store, "monday", user="bob").memories() == []
+        with pytest.raises(InvalidInputError):
+            tuesday.memories(limit=0)

@@ -34,6 +34,41 @@ def test_add_get_search(make_store):
     assert store.get(records[2].id, tenant="alice").access_count == 2  # one search hit, then this get
 
 
+def test_list_shows_a_users_memories_newest_first_with_versions_sessions_and_pages(make_store):
+    store = make_store()
+    first = store.add("I live in Porto.", tenant="alice", session_id="monday")
+    dog = store.add("My dog is called Pepper.", tenant="alice", session_id="monday")
+    gone = store.add("The door code is 4417.", tenant="alice", session_id="tuesday")
+    store.add("Bob's secret.", tenant="bob")
+    store.delete(gone.id, tenant="alice")
+    moved = store.supersede(first.id, "I live in Lisbon now.", tenant="alice")
+    listed = store.list("alice")
+    assert [r.text for r in listed] == ["I live in Lisbon now.", "My dog is called Pepper."]  # newest first
+    assert [r.access_count for r in listed] == [0, 0]  # listing is not reading them
+    versions = store.list("alice", include_superseded=True)
+    assert [(r.id, r.version, r.status) for r in versions] == [
+        (moved.id, 2, "live"),
+        (dog.id, 1, "live"),
+        (first.id, 1, "superseded"),
+    ]
+    assert [r.id for r in store.list("alice", session_id="monday")] == [
+        moved.id,
+        dog.id,
+    ]  # a new version keeps its session
+    assert store.list("alice", session_id="tuesday") == []  # its one memory is deleted
+    assert [r.text for r in store.list("alice", limit=1, offset=1)] == ["My dog is called Pepper."]
+    assert store.list("alice", offset=5) == [] and store.list("nobody") == []
+    assert [r.text for r in store.list("bob")] == ["Bob's secret."]  # never another tenant's
+    for bad in ({"limit": 0}, {"limit": 1001}, {"limit": "9"}, {"offset": -1}, {"offset": True}):
+        with pytest.raises(InvalidInputError):
+            store.list("alice", **bad)
+    for tenant in ("", "a\x00b", 7):
+        with pytest.raises(InvalidInputError):
+            store.list(tenant)
+    with pytest.raises(InvalidInputError):
+        store.list("alice", include_superseded="yes")
+
+
 def test_supersede_keeps_the_chain_and_search_sees_only_the_live_version(make_store):
     store = make_store()
     old = store.add("The budget is 50k.", tenant="alice")

@@ -293,6 +293,15 @@ class AgentMemory:
         """Every version of a memory of this user, oldest first."""
         return self.store.history(memory_id, tenant=self.user_id)
 
+    def memories(self, *, session_only: bool = False, limit: int = 100, offset: int = 0) -> list[MemoryRecord]:
+        """This user's live memories, newest first (:meth:`MemoryStore.list`); only this
+        session's with ``session_only``.
+
+        :raises InvalidInputError: a bad limit or offset; :class:`StoreError`: the store failed.
+        """
+        session = self.session_id if session_only else None
+        return self.store.list(self.user_id, session_id=session, limit=limit, offset=offset)
+
     @property
     def window(self) -> list[tuple[str, str]]:
         """The working window: (user message, reply) of each turn in it, oldest first."""

@@ -12,6 +12,7 @@ holds a lock across processes (``docs/store.md``), and nothing imports torch: th
 
 from __future__ import annotations
 
+import builtins  # the classes below have a method named `list`, which hides the type in their bodies
 import contextlib
 import hashlib
 import logging
@@ -51,6 +52,7 @@ from .layout import (
     head_bytes,
     log_entry,
     pack_embedding,
+    split_key,
     tier_key,
     unpack_embedding,
 )
@@ -64,6 +66,8 @@ __all__ = ["CheckReport", "GCReport", "MemoryStore"]
 logger = logging.getLogger("kvshift_memory.store")
 
 MAX_SEARCH_K = 1000
+#: the most memories one :meth:`MemoryStore.list` call returns
+MAX_LIST = 1000
 # how often the store reads its tier's clock again (between reads it counts this process's monotonic time)
 _CLOCK_REFRESH_S = 5.0
 #: the largest session state :meth:`MemoryStore.save_session` keeps
@@ -242,7 +246,7 @@ class MemoryStore:
         importance_score: float = 0.5,
         ttl_s: float | None = None,
         index: bool = True,
-    ) -> list[MemoryRecord]:
+    ) -> builtins.list[MemoryRecord]:
         """Store a long text as memories of at most ``max_tokens`` tokens each, in order.
 
         The parts share a ``document`` id and carry their ``part`` number and ``source``, so
@@ -278,7 +282,7 @@ class MemoryStore:
         tenant, _ = self._ids(tenant, session_id)
         document = uuid.uuid4().hex
         row_key = tier_key("d", tenant, document)
-        added: list[MemoryRecord] = []
+        added: builtins.list[MemoryRecord] = []
         try:
             for number, part in enumerate(parts):
                 added.append(
@@ -378,7 +382,7 @@ class MemoryStore:
         session_id: str | None = None,
         k: int = 4,
         where: Callable[[MemoryRecord], bool] | None = None,
-    ) -> list[MemoryRecord]:
+    ) -> builtins.list[MemoryRecord]:
         """The ``k`` live memories of ``tenant`` (and ``session_id``, when given) nearest ``query``.
 
         Memories that cannot be returned (expired ones gc has not erased yet, a deleted item's,
@@ -415,7 +419,7 @@ class MemoryStore:
 
     def _lagging(
         self,
-        found: list[MemoryRecord],
+        found: builtins.list[MemoryRecord],
         owners: dict[str, bytes | None],
         tenant: str,
         session_id: str | None,
@@ -445,9 +449,9 @@ class MemoryStore:
         k: int,
         where: Callable[[MemoryRecord], bool] | None,
         owners: dict[str, bytes | None],
-    ) -> list[MemoryRecord]:
+    ) -> builtins.list[MemoryRecord]:
         """The search's first ``k`` live records, with their scores (not yet counted as accessed)."""
-        found: list[MemoryRecord] = []
+        found: builtins.list[MemoryRecord] = []
         seen: set[str] = set()
         limit = k + 16
         while True:
@@ -534,7 +538,7 @@ class MemoryStore:
             raise VersionConflictError(f"memory {memory_id!r} changed while being deleted; try again")
         return True
 
-    def history(self, memory_id: str, *, tenant: str) -> list[MemoryRecord]:
+    def history(self, memory_id: str, *, tenant: str) -> builtins.list[MemoryRecord]:
         """Every version of a memory, oldest first: the last one is live, or, for a deleted memory
         whose data :meth:`gc` has not erased yet, its tombstone (``status="deleted"``).
 
@@ -556,6 +560,46 @@ class MemoryStore:
             if record is not None:
                 versions.append(replace(record, status="superseded", fragment_source=self))
         return [*versions, self._with_access(last)]
+
+    def list(
+        self,
+        tenant: str,
+        *,
+        session_id: str | None = None,
+        include_superseded: bool = False,
+        limit: int = 100,
+        offset: int = 0,
+    ) -> builtins.list[MemoryRecord]:
+        """The memories of ``tenant``, newest first (by when each version was written): the live
+        version of each, and with ``include_superseded`` the versions a correction replaced too
+        (``status="superseded"``); only ``session_id``'s with it. Reading them is not an access
+        (their counts stay as they were). Each call reads every memory head of the tenant.
+
+        :param limit: at most this many (1 to :data:`MAX_LIST`), after the first ``offset``.
+        :raises InvalidInputError: a bad tenant, session, flag, limit or offset.
+        :raises StoreError: the tier failed.
+        """
+        tenant, session_id = self._ids(tenant, session_id)
+        if not isinstance(include_superseded, bool):
+            raise InvalidInputError(f"include_superseded must be True or False, got {include_superseded!r}")
+        limit = inputs.check_positive_int(limit, "limit")
+        if limit > MAX_LIST:
+            raise InvalidInputError(f"limit must be at most {MAX_LIST}, got {limit}")
+        if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0:
+            raise InvalidInputError(f"offset must be a whole number of at least 0, got {offset!r}")
+        found: builtins.list[MemoryRecord] = []
+        for key in list(self.tier.scan(tier_key("h", tenant, ""))):
+            parts = split_key(key)
+            if len(parts) != 3 or not parts[2]:
+                continue
+            _, head = self.versions.read_head(tenant, parts[2])
+            live = self._live_at(tenant, parts[2], head)
+            if live is None:
+                continue
+            versions = self.history(live.id, tenant=tenant)[:-1] if include_superseded else []
+            found.extend(v for v in [*versions, self._with_access(live)] if session_id in (None, v.session_id))
+        found.sort(key=lambda record: (record.created_at, record.version), reverse=True)
+        return found[offset : offset + limit]
 
     def find_by_hash(self, source_text_hash: str, *, tenant: str) -> MemoryRecord | None:
         """The live memory of ``tenant`` whose text has this hash (the path text -> fragment), or ``None``."""
@@ -856,7 +900,7 @@ class MemoryStore:
         self.tier.set(tier_key("al", record.tenant, record.id), repr(now).encode())
         return replace(record, access_count=count, last_access=now)
 
-    def read_log(self, start: int) -> list[bytes]:
+    def read_log(self, start: int) -> builtins.list[bytes]:
         """The store's change log from entry ``start`` on (what an index replays to catch up).
 
         :raises StoreError: the tier failed.
