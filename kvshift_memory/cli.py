@@ -7,6 +7,7 @@
     kvshift bench [--only ttft,fidelity,locomo] [--plot-only]   # JSON and PNG in benchmarks/results
     kvshift inspect ./.kvshift            # counts and sizes, as JSON
     kvshift inspect ./.kvshift --user ana # ana's core block: lines, tokens, share stored as K/V
+    kvshift memories ./.kvshift --user ana [--search Q | --history ID | --forget ID] [--json]
     kvshift inspect --engine [MODEL]      # what an engine runs: weight format, K/V dtype, decoding, size
     kvshift check ./.kvshift              # verify records and blobs; exit 1 if something is unrepaired
     kvshift gc ./.kvshift [--keep-model FINGERPRINT]
@@ -21,7 +22,7 @@ import argparse
 import json
 import sys
 from collections.abc import Callable, Sequence
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -105,6 +106,38 @@ def _gc(args: argparse.Namespace) -> int:
         report = store.gc(keep_model_fingerprint=args.keep_model)
     print(json.dumps(asdict(report), indent=1))
     return 0
+
+
+def _memories(args: argparse.Namespace) -> int:
+    from .agent.asks import forget_memory
+    from .exceptions import MemoryNotFoundError
+
+    with _open_store(args) as store:
+        if args.forget is not None:
+            record = store.get(args.forget, tenant=args.user)
+            if record is None or not forget_memory(store, record, user_id=args.user):
+                raise MemoryNotFoundError(f"no live memory {args.forget[:80]!r} of {args.user[:80]!r}")
+            records = [replace(record, status="deleted")]
+        elif args.history is not None:
+            records = store.history(args.history, tenant=args.user)
+        elif args.search is not None:
+            records = store.search(args.search, tenant=args.user, k=args.limit)
+        else:
+            records = store.list(args.user, include_superseded=args.all, limit=args.limit, offset=args.offset)
+    shown = [_shown_record(record) for record in records]
+    if args.json:
+        print(json.dumps(shown, indent=1, ensure_ascii=False))
+        return 0
+    for row in shown:
+        text = " ".join(row["text"].split())
+        print(f"{row['id']}  v{row['version']}  {row['status']:<10} {row['session_id'] or '-':<12} {text[:100]}")
+    return 0
+
+
+def _shown_record(record: Any) -> dict[str, Any]:
+    """What ``kvshift memories`` shows of a memory (its text whole; no fragment or store)."""
+    fields = ("id", "version", "status", "session_id", "created_at", "importance_score", "source", "score", "text")
+    return {name: getattr(record, name) for name in fields}
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -316,6 +349,16 @@ def _parser() -> argparse.ArgumentParser:
     inspect.add_argument("--user", default=None, help="show this user's core block: lines, tokens, share stored as K/V")
     inspect.add_argument("--model", default=None, help="with --user: the model whose tokens and K/V to count")
     inspect.set_defaults(needs_store=False)
+    memories = store_command("memories", "a user's memories: list, search, history, forget", _memories)
+    memories.add_argument("--user", required=True, help="whose memories (the tenant)")
+    what = memories.add_mutually_exclusive_group()
+    what.add_argument("--search", default=None, metavar="QUERY", help="the memories closest to QUERY, best first")
+    what.add_argument("--history", default=None, metavar="ID", help="every version of memory ID, oldest first")
+    what.add_argument("--forget", default=None, metavar="ID", help="delete memory ID (and its core block line)")
+    memories.add_argument("--all", action="store_true", help="also the versions corrections replaced")
+    memories.add_argument("--limit", type=int, default=100, help="at most this many (default 100)")
+    memories.add_argument("--offset", type=int, default=0, help="skip this many of the newest first")
+    memories.add_argument("--json", action="store_true", help="JSON instead of a line each")
     store_command("check", "verify every record and fragment; repair what text can rebuild", _check)
     store_command("gc", "erase deleted and expired memories, free unused fragments", _gc).add_argument(
         "--keep-model", default=None, metavar="FINGERPRINT", help="also free fragments of every other model"

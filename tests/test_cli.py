@@ -34,6 +34,33 @@ def test_inspect_check_gc(folder, capsys):
     assert json.loads(capsys.readouterr().out)["erased_memories"] == 1
 
 
+@pytest.mark.model  # --search embeds the query with the bundled embedder
+def test_memories_lists_searches_shows_history_and_forgets(folder, capsys, embedder):
+    path, keep = folder
+    with MemoryStore(path, embedder=embedder) as store:
+        moved = store.supersede(keep.id, "Keep this fact, version two.", tenant="alice")
+        store.add("Bob's own fact.", tenant="bob")
+    assert main(["memories", str(path), "--user", "alice"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"{keep.id}  v2  live") and "version two" in lines[0]
+    assert main(["memories", str(path), "--user", "alice", "--all", "--json"]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert [(r["version"], r["status"]) for r in shown] == [(2, "live"), (1, "superseded")]
+    assert main(["memories", str(path), "--user", "alice", "--history", keep.id, "--json"]) == 0
+    assert [r["text"] for r in json.loads(capsys.readouterr().out)] == ["Keep this fact.", moved.text]
+    assert main(["memories", str(path), "--user", "alice", "--search", "fact", "--json"]) == 0
+    assert [r["id"] for r in json.loads(capsys.readouterr().out)] == [keep.id]  # never bob's
+    assert main(["memories", str(path), "--user", "bob", "--forget", keep.id]) == 2  # not bob's to forget
+    assert main(["memories", str(path), "--user", "alice", "--forget", keep.id]) == 0
+    assert "deleted" in capsys.readouterr().out
+    assert main(["memories", str(path), "--user", "alice", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == []
+    assert main(["memories", str(path), "--user", "alice", "--limit", "0"]) == 2
+    assert main(["memories", str(path / "nowhere"), "--user", "alice"]) == 2
+    with pytest.raises(SystemExit):
+        main(["memories", str(path)])  # whose memories: --user is required
+
+
 def test_check_fails_on_a_damaged_record(folder, capsys, embedder):
     path, keep = folder
     with MemoryStore(path, embedder=embedder) as store:
