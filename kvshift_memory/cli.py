@@ -147,7 +147,7 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _chat(args: argparse.Namespace) -> int:
-    """A conversation on the terminal; ``/history ID``, ``/window`` and ``/quit`` are commands."""
+    """A conversation on the terminal; lines starting with ``/`` are :data:`CHAT_COMMANDS`."""
     import torch
 
     from . import KVShiftEngine
@@ -168,7 +168,7 @@ def _converse(engine: Any, store: Any, args: argparse.Namespace) -> int:
     from . import AgentMemory
 
     agent = AgentMemory(engine, store, user_id=args.user, session_id=args.session, max_new_tokens=args.max_new_tokens)
-    print(f"kvshift chat: user {args.user!r}, session {args.session!r}, store {store.tier.url}; /quit to leave")
+    print(f"kvshift chat: user {args.user!r}, session {args.session!r}, store {store.tier.url}; /help for commands")
     if agent.window:
         print(f"resumed: {len(agent.window)} earlier turns in the window (/window shows them), their K/V in the store")
     while True:
@@ -177,34 +177,88 @@ def _converse(engine: Any, store: Any, args: argparse.Namespace) -> int:
         except EOFError:
             print()
             return 0
+        except KeyboardInterrupt:  # Ctrl-C at the prompt: leave, the last turn's K/V is flushed on the way out
+            print()
+            return 0
         if not line.strip():
             continue
-        if line.strip() == "/quit":
-            return 0
-        if line.strip() == "/window":
-            for user, answer in agent.window:
-                print(f"  you: {user}\n  bot: {answer}")
-            continue
-        if line.startswith("/history "):
-            for version in agent.history(line.split(maxsplit=1)[1].strip()):
-                print(f"  v{version.version} [{version.status}] {version.text}")
+        if line.strip().startswith("/"):
+            try:
+                if not _chat_command(agent, line.strip()):
+                    return 0
+            except KVShiftError as exc:
+                print(f"kvshift: {exc}", file=sys.stderr)
             continue
         try:
-            stream = agent.chat(line, stream=True)
-            print("bot> ", end="", flush=True)
-            for piece in stream:
-                print(piece, end="", flush=True)
-            reply = stream.reply
-            assert reply is not None  # an exhausted stream has committed its reply
-            stats = reply.stats
-            restored = f" ({stats.restored_tokens} from stored K/V)" if stats.restored_tokens else ""
-            print(
-                f"\n     [{reply.ttft_s * 1000:.0f} ms to first token, {stats.decode_tokens_per_s:.0f} tokens/s; "
-                f"{stats.reused_tokens}/{stats.prompt_tokens} prompt tokens reused{restored}; "
-                f"{len(reply.recalled)} memories recalled; {reply.decision}]"
-            )
+            _answer(agent, line)
         except KVShiftError as exc:  # a refused message loses nothing: say why and go on
             print(f"kvshift: {exc}", file=sys.stderr)
+
+
+CHAT_COMMANDS = {
+    "/help": "these commands",
+    "/memories": "what is remembered about you, newest first (id, version, session, text)",
+    "/core": "your core block: what every session starts with",
+    "/forget ID": "forget memory ID (from /memories)",
+    "/history ID": "every version of memory ID",
+    "/window": "the turns of this session still in the prompt",
+    "/quit": "leave (so do Ctrl-D, and Ctrl-C at the prompt; Ctrl-C during an answer stops the answer)",
+}
+
+
+def _chat_command(agent: Any, line: str) -> bool:
+    """Run one of :data:`CHAT_COMMANDS` (never sent to the model); ``False`` to leave.
+
+    :raises KVShiftError: the command's memory or store was refused.
+    """
+    name, _, argument = line.partition(" ")
+    argument = argument.strip()
+    if name == "/quit":
+        return False
+    if name == "/window":
+        for user, answer in agent.window:
+            print(f"  you: {user}\n  bot: {answer}")
+    elif name == "/memories":
+        for record in agent.memories():
+            text = " ".join(record.text.split())[:100]
+            print(f"  {record.id}  v{record.version}  {record.session_id or '-':<12} {text}")
+    elif name == "/core":
+        for core_line in agent.core():
+            mark = " (replaced by a later line)" if core_line.superseded else ""
+            print(f"  {core_line.memory_id}  v{core_line.version}  {' '.join(core_line.text.split())[:100]}{mark}")
+    elif name in ("/forget", "/history") and argument:
+        if name == "/forget":
+            print(f"  forgotten: {agent.forget(argument).text[:100]}")
+        else:
+            for version in agent.history(argument):
+                print(f"  v{version.version} [{version.status}] {version.text}")
+    else:
+        print("commands (anything else goes to the model):")
+        for usage, meaning in CHAT_COMMANDS.items():
+            print(f"  {usage:<12} {meaning}")
+    return True
+
+
+def _answer(agent: Any, line: str) -> None:
+    """Stream the answer to ``line``; Ctrl-C stops it, keeping what was said (and its K/V)."""
+    stream = agent.chat(line, stream=True)
+    print("bot> ", end="", flush=True)
+    try:
+        for piece in stream:
+            print(piece, end="", flush=True)
+    except KeyboardInterrupt:
+        stream.close()  # the turn is committed with what was said so far; the engine keeps its K/V
+        print("\n     [stopped: what was said so far is kept; Ctrl-C at the prompt leaves]")
+        return
+    reply = stream.reply
+    assert reply is not None  # an exhausted stream has committed its reply
+    stats = reply.stats
+    restored = f" ({stats.restored_tokens} from stored K/V)" if stats.restored_tokens else ""
+    print(
+        f"\n     [{reply.ttft_s * 1000:.0f} ms to first token, {stats.decode_tokens_per_s:.0f} tokens/s; "
+        f"{stats.reused_tokens}/{stats.prompt_tokens} prompt tokens reused{restored}; "
+        f"{len(reply.recalled)} memories recalled; {reply.decision}]"
+    )
 
 
 BENCHMARKS = ("ttft", "fidelity", "store", "resume", "writeback", "recall", "turns", "locomo")

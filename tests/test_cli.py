@@ -150,6 +150,59 @@ def test_chat_answers_lines_from_stdin_and_remembers_across_runs(tmp_path, monke
 
 
 @pytest.mark.model
+def test_chat_commands_never_reach_the_model_and_ctrl_c_stops_an_answer_keeping_it(tmp_path, monkeypatch, capsys):
+    from kvshift_memory import AgentMemory
+
+    lines = ["I live in Porto with my cat Miso.", "/help", "/memories", "/core", "/nonsense", "Tell me a story."]
+
+    def typed(prompt: str = "") -> str:
+        if not lines:
+            raise EOFError
+        return lines.pop(0)
+
+    monkeypatch.setattr("builtins.input", typed)
+    chat = AgentMemory.chat
+
+    class CtrlCAfterTheFirstPiece:
+        """The real stream, with Ctrl-C pressed once its first piece is out."""
+
+        def __init__(self, stream):
+            self.stream, self.reply = stream, None
+
+        def __iter__(self):
+            yield next(self.stream)
+            raise KeyboardInterrupt
+
+        def close(self):
+            self.stream.close()
+            self.reply = self.stream.reply
+
+    def chat_with_ctrl_c(self, message, **options):
+        stream = chat(self, message, **options)
+        return CtrlCAfterTheFirstPiece(stream) if message == "Tell me a story." else stream
+
+    monkeypatch.setattr(AgentMemory, "chat", chat_with_ctrl_c)
+    store = str(tmp_path / "store")
+    assert main(["chat", store, "--user", "ana", "--session", "one", "--max-new-tokens", "8"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("bot> ") == 2  # the commands, /nonsense too, never went to the model
+    assert out.count("/forget ID") == 2  # /help, and /nonsense answered with the help
+    assert out.count("I live in Porto with my cat Miso.") == 2  # in /memories and in /core (the input is not echoed)
+    assert "[stopped: what was said so far is kept" in out
+    monkeypatch.setattr(AgentMemory, "chat", chat)
+    with MemoryStore(store) as reopened:  # the next run finds the stopped turn, as it was shown
+        window = AgentMemory(object(), reopened, user_id="ana", session_id="one").window  # type: ignore[arg-type]
+    assert [user for user, _ in window] == ["I live in Porto with my cat Miso.", "Tell me a story."]
+    assert window[1][1] and window[1][1] in out
+
+    def ctrl_c(prompt: str = "") -> str:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("builtins.input", ctrl_c)  # Ctrl-C at the prompt: a clean exit, no traceback
+    assert main(["chat", store, "--user", "ana", "--session", "one", "--max-new-tokens", "8"]) == 0
+
+
+@pytest.mark.model
 def test_chat_reports_a_refused_message_and_goes_on(tmp_path, monkeypatch, capsys):
     import io
 
