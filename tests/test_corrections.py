@@ -48,6 +48,17 @@ def test_corrections_supersede_their_memory_and_near_misses_change_nothing(store
     assert superseded / len(true) >= 0.9, f"{superseded} of {len(true)} true corrections found their memory"
 
 
+def test_a_negated_statement_followed_by_what_is_true_supersedes_its_memory(store):
+    """A correction that says the new value with its own verb ("…, she lives in Braga") was not
+    recognised, so the old and the new fact both stayed live."""
+    porto = store.add("My sister lives in Porto.", tenant="ana")
+    store.add("My sister does not drink coffee.", tenant="ana")
+    decision, target = find_correction(
+        store, "My sister does not live in Porto, she lives in Braga.", user_id="ana", min_score=0.5
+    )
+    assert decision == "archive" and target is not None and target.id == porto.id
+
+
 @pytest.mark.parametrize(
     ("message", "memory", "expected"),
     [

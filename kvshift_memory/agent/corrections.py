@@ -28,6 +28,7 @@ __all__ = ["corrects", "is_correction_cue", "negated_value"]
 _CUES = re.compile(
     r"\b(?:not|isn't|aren't|wasn't|weren't|doesn't|don't)\b[^.?!]{0,80}?[,;]\s*"
     r"(?:but|it(?:'s| is| was| moved| has moved)|(?:he|she)(?:'s| is)|they(?:'re| are)|I(?:'m| am)|we(?:'re| are)"
+    r"|(?:he|she|it|they|I|we)\s+(?!not\b|don't\b|doesn't\b)[a-z]+"  # "…not live in Porto, she lives in Braga"
     r"|rather|now)\b"
     r"|\bnot\b[^.?!,]{0,60}\bbut\b"
     r"|,\s*not\s+\w"
