@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from kvshift_memory import AgentMemory, InvalidInputError, MemoryStore
-from kvshift_memory.agent.writeback import WriteBackModel
+from kvshift_memory.agent.writeback import WriteBackModel, is_task_request
 from kvshift_memory.exceptions import MemoryNotFoundError
 
 
@@ -145,3 +145,28 @@ def test_an_observed_transcript_forgets_nothing(bundled_engine, store):
     code = agent.add("The door code for the building is 4417.")
     assert agent.observe("Forget what I said about the door code.") is not None  # archived as a turn
     assert store.get(code.id, tenant="alice") is not None
+
+
+@pytest.mark.parametrize(
+    ("text", "task"),
+    [
+        ("Convert 50 euros to dollars.", True),
+        ("Please translate 'good morning' into French.", True),
+        ("Can you summarise this article about Lisbon's trams?", True),
+        ("ok, now write a haiku about autumn", True),
+        ("Book a table for two on Friday, I am vegetarian.", False),  # speaks of the user too
+        ("Marta books the hotel near the river.", False),
+        ("Tell me about the Douro valley.", False),  # "me": the rule decides
+        ("My sister lives in Porto.", False),
+    ],
+)
+def test_a_task_for_the_assistant_is_not_a_fact(text, task):
+    assert is_task_request(text) is task
+
+
+def test_a_task_is_kept_in_the_window_and_never_recalled_as_a_memory(bundled_engine, store):
+    agent = _agent(bundled_engine, store)
+    reply = agent.chat("Convert 50 euros to dollars.")
+    assert reply.decision == "window" and reply.archived is None
+    assert agent.chat("Book a table for two on Friday, I am vegetarian.").archived is not None
+    assert "Convert" not in str([r.text for r in store.search("euros dollars", tenant="alice", k=5)])

@@ -26,7 +26,15 @@ from ..store.records import MemoryRecord, text_hash
 from .core import change_block
 from .corrections import corrects, is_correction_cue
 from .recall import archived_text, similarity
-from .writeback import Decision, WriteBackModel, explicit_request, first_person, forget_subject, is_question_only
+from .writeback import (
+    Decision,
+    WriteBackModel,
+    explicit_request,
+    first_person,
+    forget_subject,
+    is_question_only,
+    is_task_request,
+)
 
 __all__ = [
     "Asked",
@@ -221,7 +229,8 @@ def archive(
     another adapter instance, process or replay), deletes nothing more, while the same words
     sent again later (another ``message_key``) are a request of their own. A
     question that states nothing is never stored. Any other turn is archived unless the rule
-    finds it content-free; a turn the rule defers is stored now unless ``window`` says the
+    finds it content-free, or it only asks a question or gives the assistant a task ("Convert 50
+    euros to dollars."); a turn the rule defers is stored now unless ``window`` says the
     caller keeps a working window that stores it when it leaves. A text the user's memory
     already holds word for word is not stored twice (:func:`store_once`).
 
@@ -250,8 +259,8 @@ def archive(
         return 0.0, decision, forgotten
     importance = 1.0 if request == "remember" else rule.importance(text, previous)
     decision = "archive" if request == "remember" else rule.decide(importance)
-    if request is None and is_question_only(text):
-        decision = "window"
+    if request is None and (is_question_only(text) or is_task_request(text)):
+        decision = "window"  # a question or a task for this turn says nothing to remember
     if decision == "window" or (decision == "defer" and window):
         return importance, decision, None
     record = store_once(

@@ -31,6 +31,7 @@ __all__ = [
     "first_person",
     "forget_subject",
     "is_question_only",
+    "is_task_request",
     "turn_features",
 ]
 
@@ -40,8 +41,9 @@ Decision = Literal["archive", "defer", "window", "forget", "forget_ambiguous", "
 - ``"archive"``: stored now (text and index entry; its fragment encoded now or on first recall);
 - ``"defer"``: kept in the window, stored when it leaves the window or the session closes (a
   turn the rule is unsure of);
-- ``"window"``: kept in the window only and never stored: content-free, or a question that
-  states nothing (it matters while it is discussed; as a memory it would only come back as noise);
+- ``"window"``: kept in the window only and never stored: content-free, a question that states
+  nothing, or a task for the assistant that says nothing of the user ("Convert 50 euros to
+  dollars."): it matters while it is discussed; as a memory it would only come back as noise;
 - ``"forget"``: a request to forget, which removed the memory it named;
 - ``"forget_ambiguous"``: a request to forget that removed nothing (no stored memory was close
   enough, or two were equally close);
@@ -163,6 +165,25 @@ def is_question_only(text: str) -> bool:
     """Whether ``text`` asks and states nothing: one question ("What is my budget?")."""
     stripped = text.strip()
     return stripped.endswith("?") and not re.search(r"[.!?]\s", stripped)
+
+
+# what a user tells an assistant to do: a task for now, not something about the user to remember
+_TASK = re.compile(
+    r"^(?:(?:hey|hi|ok|okay|so|now|then|and|also|quick|quickly)[,!]?\s+)*"
+    r"(?:(?:please|pls|kindly|can you|could you|would you|will you)\s+)?"
+    r"(?:convert|translate|summari[sz]e|write|draft|compose|rewrite|rephrase|explain|describe|tell|give|show|list"
+    r"|find|search|look up|calculate|compute|book|order|send|email|schedule|create|make|generate|suggest"
+    r"|recommend|compare|check|fix|play|open|turn|set)\b",
+    re.IGNORECASE,
+)
+
+
+def is_task_request(text: str) -> bool:
+    """Whether ``text`` only asks the assistant to do something ("Convert 50 euros to dollars.",
+    "Please translate this into French."): a task for the turn, which says nothing about the
+    user. One that speaks of the user ("Book a table for me, I am vegetarian.") is not only that."""
+    stripped = text.strip()
+    return bool(_TASK.match(stripped)) and not first_person(stripped)
 
 
 def explicit_request(text: str) -> Literal["remember", "forget"] | None:
