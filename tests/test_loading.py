@@ -62,9 +62,17 @@ def test_a_split_file_is_joined_in_order_and_its_digest_checked(tmp_path):
     assert not (tmp_path / "torn.gguf").exists()
 
 
-def test_unknown_model_path_is_a_clear_error(tmp_path):
-    with pytest.raises(ModelNotFoundError, match="no model at"):
+def test_unknown_model_path_is_a_clear_error(tmp_path, monkeypatch):
+    with pytest.raises(ModelNotFoundError, match="no folder at .*nothing-here"):
         KVShiftEngine.from_pretrained(tmp_path / "nothing-here")
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "tiny-llama").mkdir()
+    # a typo in a path is not a hub id: refused at once, not looked up on the hub
+    with pytest.raises(ModelNotFoundError, match=r"no folder at './tiny-lama' \(a path, so not a hub id\)"):
+        KVShiftEngine.from_pretrained("./tiny-lama")
+    (tmp_path / "tiny-llama" / "config.json").write_text("{}")
+    with pytest.raises(ModelNotFoundError, match="has no tokenizer: it needs one of tokenizer.json"):
+        KVShiftEngine.from_pretrained("./tiny-llama")  # not "install sentencepiece"
 
 
 @pytest.mark.model

@@ -320,6 +320,7 @@ def load_model(
     else:
         local = Path(name_or_path).expanduser()
         source = local if local.exists() else name_or_path
+        _check_local(local, name_or_path)
     tokenizer_kwargs = {key: hf_kwargs[key] for key in ("revision", "trust_remote_code") if key in hf_kwargs}
     if device is not None:
         hf_kwargs["device_map"] = device
@@ -363,6 +364,38 @@ def as_shipped_matrices(shipped: ShippedModel, folder: Path, model: Any) -> dict
     except (ValueError, KeyError, OSError) as exc:
         raise ModelLoadError(f"could not read the GGUF blocks of {shipped.name}: {exc}") from exc
     return matrices
+
+
+# a folder needs one of these for its tokenizer (a GGUF file carries its own)
+_TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "spiece.model",
+    "sentencepiece.bpe.model",
+    "vocab.json",
+    "vocab.txt",
+    "tiktoken.model",
+)
+
+
+def _check_local(local: Path, name_or_path: str | os.PathLike[str]) -> None:
+    """Refuse at once, with what is missing, what no hub id could be: a path that is not there
+    ("./tiny-lama", "/models/x", "~/m") or a folder with no tokenizer files.
+
+    :raises ModelNotFoundError: as above.
+    """
+    written = str(name_or_path)
+    if not local.exists():
+        if isinstance(name_or_path, os.PathLike) or written.startswith((".", "/", "~", "\\")) or local.is_absolute():
+            raise ModelNotFoundError(f"no folder at {written!r} (a path, so not a hub id): check its spelling")
+        return
+    if local.is_dir() and not any((local / name).is_file() for name in _TOKENIZER_FILES):
+        if not any(local.glob("*.gguf")):
+            raise ModelNotFoundError(
+                f"the folder {written!r} has no tokenizer: it needs one of {', '.join(_TOKENIZER_FILES)} "
+                "(save it there with tokenizer.save_pretrained(folder)) or a .gguf file"
+            )
 
 
 def _not_found(source: str | os.PathLike[str], error: OSError) -> str:
