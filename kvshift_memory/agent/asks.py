@@ -8,8 +8,8 @@ and chain memory, LlamaIndex's memory and block), what one message changes:
 - a correction ("the budget is not 50k, it is 70k") supersedes the one memory it clearly corrects,
   and a core line of it gets the new version appended (:func:`find_correction`, :func:`supersede`);
 - anything else is written back as the fitted rule decides (:func:`archive`): "remember …"
-  always, small talk and bare questions never; a stored statement the user made about
-  themselves joins the core block (:func:`joins_core`).
+  always; small talk, bare questions and tasks for the assistant never; a stored statement the
+  user made about themselves joins the core block (:func:`joins_core`).
 
 When unsure, nothing changes: an ambiguous forget deletes nothing, an ambiguous correction is
 stored as a statement of its own, and another speaker's words (a transcript) change no memory.
