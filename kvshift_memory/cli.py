@@ -72,20 +72,17 @@ def _core_view(store: MemoryStore, user: str, model: str | None) -> dict[str, An
     import torch
 
     from . import KVShiftEngine
-    from .agent.core import core_text, placed_lines, read_block
+    from .agent.core import CORE_TOKENS, core_text, read_block, system_messages
 
-    lines = read_block(store, user).lines  # a malformed user is refused before a model is loaded
+    block = read_block(store, user)  # a malformed user is refused before a model is loaded
     torch.set_num_threads(min(2, torch.get_num_threads()))
     engine = KVShiftEngine.from_pretrained(model)
-    placed = placed_lines(
-        store, user, session_id=None, count_tokens=lambda text: engine.count_tokens(text, tenant=user)
-    )
+    placed = block.placed(CORE_TOKENS, lambda text: engine.count_tokens(text, tenant=user))
     system = engine.settings.system_prompt
-    messages = [{"role": "system", "content": f"{system}\n\n{core_text(placed)}" if placed else system}]
-    stored, prompt = engine.stored_prefix(messages, kv_store=store, tenant=user)
+    stored, prompt = engine.stored_prefix(system_messages(system, placed, system), kv_store=store, tenant=user)
     return {
         "user": user,
-        "lines": [asdict(line) for line in lines],
+        "lines": [asdict(line) for line in block.lines],
         "placed_lines": len(placed),
         "block_tokens": engine.count_tokens(core_text(placed), tenant=user),
         "system_message_tokens": prompt,

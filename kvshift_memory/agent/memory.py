@@ -489,8 +489,10 @@ class AgentMemory:
     def _store_next_block(self) -> None:
         """When the block changed since this session's last prompt, store the K/V of the one the
         next session starts with, so that session (in any process) reads it."""
+        if not self.settings.resume:
+            return
         following = self._core_lines(this_session=False)
-        if self.settings.resume and following and following != self._shown_core:
+        if following and following != self._shown_core:
             store_block(self.engine, self.store, self.user_id, self._system_messages(following))
 
     def _core_lines(self, *, this_session: bool = True) -> tuple[CoreLine, ...]:
